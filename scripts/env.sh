@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project virtual env and build the native extension into it.
+# Source this file: it exports VENV and puts it first on PATH.
+# The env lives outside the clone, keyed by a hash of requirements-dev.txt, so repeated runs and CI
+# reuse the ~3 GB torch install while the requirements stay the same.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HASH="$( (cat "$ROOT/requirements-dev.txt"; python3 -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-16)"
+VENV="${OLMO_CHUNKS_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/olmo-chunks/venv-$HASH}"
+if [ ! -f "$VENV/.complete" ]; then
+    echo "[setup] creating $VENV (first run downloads torch, ~3 GB)" >&2
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements-dev.txt"
+    touch "$VENV/.complete"
+else
+    echo "[setup] reusing $VENV" >&2
+fi
+export VENV
+export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV"
+if [ "${OLMO_CHUNKS_SKIP_BUILD:-0}" != 1 ]; then
+    echo "[setup] building the native extension (maturin develop --release)" >&2
+    (cd "$ROOT" && maturin develop --release -q >&2)
+fi
