@@ -1,0 +1,320 @@
+"""`save` and `load`: the native front door."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _core, values
+from ._dist import Group
+from .errors import InvalidArgumentError, MismatchError
+from .roles import resolve_role
+from .shards import TensorShard, describe, dtype_name, torch_dtype
+from .tree import Leaf, flatten
+
+__all__ = ["LoadReport", "load", "save"]
+
+# Host memory used at a time to stage accelerator tensors through pinned buffers.
+STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
+
+
+@dataclass
+class LoadReport:
+    """What `load` did: keys loaded, and (with `strict=False`) what it skipped and why."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None) -> dict[str, TensorShard]:
+    shards = {}
+    for key, leaf in leaves.items():
+        if leaf.is_tensor:
+            shard = describe(key, leaf.value)
+            if shard.role is None:
+                shard.role = resolve_role(key, shard.local, roles)
+            shards[key] = shard
+    return shards
+
+
+def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.device.type == "cpu" else t
+
+
+def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
+           block_size: int, workers: int | None) -> list[tuple]:
+    """Writes this rank's chunks; returns `(key, region, file, offset, nbytes, checksums)` each.
+
+    CPU tensors are written from their own memory. Accelerator tensors go through pinned host
+    buffers of at most STAGING_BYTES at a time, one data file per batch."""
+    out: list[tuple] = []
+    batches: list[list[tuple[str, tuple, torch.Tensor]]] = [[]]
+    staged = 0
+    for item in chunks:
+        nbytes = item[2].numel() * item[2].element_size()
+        if item[2].device.type != "cpu" and staged and staged + nbytes > STAGING_BYTES:
+            batches.append([])
+            staged = 0
+        batches[-1].append(item)
+        if item[2].device.type != "cpu":
+            staged += nbytes
+    for b, batch in enumerate(batches):
+        if not batch:
+            continue
+        datas = []
+        for _, _, t in batch:
+            if t.device.type == "cpu":
+                datas.append(t.contiguous())
+            else:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+                host.copy_(t, non_blocking=True)
+                datas.append(host)
+        if any(t.device.type != "cpu" for _, _, t in batch):
+            torch.cuda.synchronize()
+        name = f"data/{save_id}/rank-{rank:05d}" + (f"-{b:03d}" if b else "") + ".bin"
+        items = [(0, d.data_ptr(), d.numel() * d.element_size()) for d in datas]
+        written, files = _core.write_chunks(str(path), [name], items, block_size, workers)
+        (fname, fsize), = files
+        for (key, region, _), (_, offset, nbytes, crcs) in zip(batch, written, strict=True):
+            out.append((key, region, fname, fsize, offset, nbytes, bytes(crcs)))
+        del datas
+    return out
+
+
+def _plan(gathered: list[tuple[dict, dict]]) -> tuple[str, list[list[int]], dict, dict]:
+    """Rank 0: check that ranks agree on every tensor, merge plain entries, and give every distinct
+    chunk one writer, balancing bytes across the ranks that hold it (replicas are written once)."""
+    problems: list[str] = []
+    schema: dict[str, tuple] = {}
+    entries: dict[str, Any] = {}
+    holders: dict[tuple[str, tuple], list[int]] = {}
+    sizes: dict[tuple[str, tuple], int] = {}
+    for rank, (tensors, plain) in enumerate(gathered):
+        i = 0  # position in the rank's local chunk list, which follows this same order
+        for key, (dtype, shape, role, regions) in tensors.items():
+            seen = schema.setdefault(key, (dtype, shape, role))
+            if seen != (dtype, shape, role):
+                problems.append(f"{key}: rank {rank} has {(dtype, shape, role)}, another rank {seen}")
+            item = torch_dtype(dtype).itemsize
+            for kind, a, b in regions:
+                rk = (key, (kind, tuple(a), tuple(b)))
+                holders.setdefault(rk, []).append(rank * (1 << 32) + i)
+                sizes[rk] = item * (b[0] if kind == "flat" else _prod(b))
+                i += 1
+        for key, v in plain.items():
+            entries.setdefault(key, v)
+    for key in entries.keys() & schema.keys():
+        problems.append(f"{key}: a tensor on some ranks and a plain value on others")
+    if problems:
+        raise MismatchError(problems, header="ranks disagree on the state dict to save")
+    load = [0] * len(gathered)
+    assign: list[list[int]] = [[] for _ in gathered]
+    for rk in sorted(holders, key=lambda k: -sizes[k]):
+        rank, i = divmod(min(holders[rk], key=lambda h: (load[h >> 32], h)), 1 << 32)
+        load[rank] += sizes[rk]
+        assign[rank].append(i)
+    return uuid.uuid4().hex, assign, schema, entries
+
+
+def _prod(xs: Any) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    roles: Mapping[str, str] | None = None,
+    info: Mapping[str, Any] | None = None,
+    block_size: int = _core.DEFAULT_BLOCK_SIZE,
+    workers: int | None = None,
+) -> None:
+    """Saves `state_dict` to checkpoint directory `path`, collectively over `process_group`.
+
+    Tensors may be plain (the whole tensor, the same wherever it appears), DTensors of any
+    placement, or `ChunkSource`s; each rank writes its own chunks in parallel from native code and
+    every replicated chunk is written once. Other values are stored as data. The checkpoint becomes
+    visible when its manifest is committed, last; a failed save leaves an earlier one at `path`
+    intact. `roles` overrides the inferred role per key or dotted key prefix.
+    """
+    group = Group(process_group)
+    path = Path(path)
+
+    def describe_local() -> tuple[dict[str, TensorShard], dict, dict, list]:
+        if path.exists() and not path.is_dir():
+            raise InvalidArgumentError(f"{path}: exists and is not a directory")
+        leaves = flatten(state_dict)
+        shards = _describe_all(leaves, roles)
+        tensors, local_chunks = {}, []
+        for key, s in shards.items():
+            regions = list(s.regions())
+            tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
+            local_chunks.extend((key, r, d) for r, d in regions)
+        plain = {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
+        return shards, tensors, plain, local_chunks
+
+    shards, tensors, plain, local_chunks = group.agree(describe_local)
+    gathered = group.all_gather((tensors, plain))
+    save_id, assign, schema, entries = group.on_root(lambda: _plan(gathered))
+    del shards
+    mine = [local_chunks[i] for i in assign[group.rank]]
+    written = group.agree(lambda: _write(path, save_id, group.rank, mine, block_size, workers))
+    all_written = group.all_gather(written)
+
+    def commit() -> None:
+        files: dict[str, int] = {}
+        per_key: dict[str, list] = {k: [] for k in schema}
+        for rank_written in all_written:
+            for key, (kind, a, b), fname, fsize, offset, nbytes, crcs in rank_written:
+                fi = files.setdefault(fname, len(files))
+                per_key[key].append((kind, list(a), list(b), fi, offset, nbytes, crcs))
+        file_sizes = {}
+        for rank_written in all_written:
+            for _, _, fname, fsize, *_ in rank_written:
+                file_sizes[fname] = fsize
+        tensor_list = [(k, *schema[k][:3], per_key[k]) for k in sorted(schema)]
+        meta_info = {
+            "writer": "olmo_chunks",
+            "created_unix": time.time(),
+            "world_size": group.size,
+            "torch": torch.__version__,
+            **(dict(info) if info else {}),
+        }
+        _core.commit(
+            str(path),
+            save_id,
+            block_size,
+            [(f, file_sizes[f]) for f in files],
+            tensor_list,
+            json.dumps(entries, allow_nan=False),
+            json.dumps(values.encode(meta_info, "info"), allow_nan=False),
+        )
+
+    group.on_root(commit)
+
+
+def _stage(local: torch.Tensor) -> torch.Tensor | None:
+    """A CPU buffer to load through when `local` cannot take bytes directly (not on the CPU, or
+    with overlapping or negative strides); None when it can."""
+    if local.device.type == "cpu" and _dense(local):
+        return None
+    pin = local.device.type == "cuda"
+    return torch.empty(tuple(local.shape), dtype=local.dtype, pin_memory=pin)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True if no two elements of `t` share memory."""
+    extent = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda x: x[1]):
+        if size == 1:
+            continue
+        if stride < extent:
+            return False
+        extent = stride * size
+    return True
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+    roles: Mapping[str, str] | None = None,
+    verify: bool = True,
+    workers: int | None = None,
+) -> LoadReport:
+    """Fills `state_dict` in place from checkpoint `path`, whatever layout either side has.
+
+    Every tensor (plain, DTensor or `ChunkSource`) receives exactly the elements of the global
+    tensor it holds, read once per rank in parallel and checked against block checksums
+    (`verify`). Plain values are replaced. A model conversion (missing or extra keys, a shape,
+    dtype or role mismatch) raises one `MismatchError` listing every mismatch; with `strict=False`
+    what matches is loaded and the rest reported in the returned `LoadReport`.
+    """
+    group = Group(process_group)
+
+    def run() -> LoadReport:
+        manifest = _core.Manifest.open(str(path))
+        leaves = flatten(state_dict)
+        shards = _describe_all(leaves, roles)
+        saved = {t[0]: (i, t) for i, t in enumerate(manifest.tensors)}
+        entries = json.loads(manifest.entries_json) or {}
+        report = LoadReport()
+        for key, leaf in leaves.items():
+            if leaf.is_tensor:
+                if key not in saved:
+                    where = "a plain value" if key in entries else "missing"
+                    report.missing.append(key) if where == "missing" else report.mismatched.append(
+                        f"{key}: a tensor here, {where} in the checkpoint")
+                    continue
+                s = shards[key]
+                _, (_, dtype, shape, role, _, _) = saved[key]
+                want = (dtype_name(s.dtype), list(s.shape), s.role)
+                if want != (dtype, list(shape), role):
+                    report.mismatched.append(
+                        f"{key}: checkpoint has dtype={dtype} shape={tuple(shape)} role={role}, "
+                        f"state dict has dtype={want[0]} shape={tuple(want[1])} role={want[2]}")
+            elif key not in entries:
+                report.missing.append(key) if key not in saved else report.mismatched.append(
+                    f"{key}: a plain value here, a tensor in the checkpoint")
+        report.unexpected = sorted(k for k in (saved.keys() | entries.keys()) if k not in leaves)
+        if strict and not report.ok:
+            raise MismatchError(
+                [f"{k}: missing from the checkpoint" for k in report.missing]
+                + [f"{k}: in the checkpoint but not in the state dict" for k in report.unexpected]
+                + report.mismatched,
+                header=f"{path}: checkpoint does not match the state dict (a model conversion, not a reshard)",
+            )
+        bad = set(report.missing) | {m.split(":", 1)[0] for m in report.mismatched}
+        targets, buffers, copies_back = [], [], []
+        for key, s in shards.items():
+            if key in bad:
+                continue
+            stage = _stage(s.local)
+            dest = s.local if stage is None else stage
+            pieces = s.core_pieces(dest)
+            if pieces:
+                targets.append((saved[key][0], pieces, len(buffers)))
+                buffers.append((dest, (dest.data_ptr(), _extent_bytes(dest))))
+                if stage is not None:
+                    copies_back.append((s.local, stage))
+            report.loaded.append(key)
+        manifest.load(targets, [b for _, b in buffers], verify=verify, workers=workers)
+        for local, stage in copies_back:
+            local.copy_(stage)
+        for key, leaf in leaves.items():
+            if not leaf.is_tensor and key in entries:
+                if isinstance(leaf.container, tuple):
+                    continue
+                leaf.container[leaf.slot] = values.decode(entries[key])
+                report.loaded.append(key)
+        report.loaded.sort()
+        return report
+
+    return group.agree(run)

@@ -1,0 +1,79 @@
+"""The exceptions olmo-chunks raises. All derive from `OlmoChunksError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "CorruptManifestError",
+    "InvalidArgumentError",
+    "LayoutError",
+    "MismatchError",
+    "MissingDataFileError",
+    "OlmoChunksError",
+    "RankFailedError",
+    "StorageError",
+    "TruncatedDataError",
+    "UnsupportedFormatError",
+]
+
+
+class OlmoChunksError(Exception):
+    """Base class of every olmo-chunks error."""
+
+
+class CheckpointNotFoundError(OlmoChunksError, FileNotFoundError):
+    """The path is not a committed checkpoint (missing, not a directory, or no manifest)."""
+
+
+class UnsupportedFormatError(OlmoChunksError):
+    """The checkpoint was written in a format version this reader does not support."""
+
+
+class CorruptCheckpointError(OlmoChunksError):
+    """The checkpoint's bytes are damaged or contradict its manifest."""
+
+
+class CorruptManifestError(CorruptCheckpointError):
+    """The manifest cannot be decoded or is inconsistent."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """Data bytes do not match their recorded checksum."""
+
+
+class TruncatedDataError(CorruptCheckpointError):
+    """A data file is shorter than the manifest says."""
+
+
+class MissingDataFileError(CorruptCheckpointError, FileNotFoundError):
+    """A data file named by the manifest does not exist."""
+
+
+class StorageError(OlmoChunksError, OSError):
+    """An operating-system error while reading or writing checkpoint files."""
+
+
+class LayoutError(OlmoChunksError, ValueError):
+    """Chunks lie outside their tensor, overlap, or do not cover it exactly once."""
+
+
+class InvalidArgumentError(OlmoChunksError, ValueError):
+    """An argument cannot be checkpointed as given (unsupported value, aliasing buffers, ...)."""
+
+
+class MismatchError(OlmoChunksError, ValueError):
+    """The state dict and the checkpoint describe different models (a conversion, not a reshard).
+
+    `mismatches` lists every difference, one line each.
+    """
+
+    def __init__(self, mismatches: list[str], *, header: str = "checkpoint does not match the state dict") -> None:
+        self.mismatches = list(mismatches)
+        lines = "\n".join(f"  - {m}" for m in self.mismatches)
+        super().__init__(f"{header} ({len(self.mismatches)} mismatch(es)):\n{lines}")
+
+
+class RankFailedError(OlmoChunksError):
+    """Another rank of the process group failed during a collective save or load."""

@@ -1,0 +1,94 @@
+"""What one rank holds of each global tensor, as plain boxes and flat ranges for the core."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _core
+from .errors import InvalidArgumentError
+from .layout import Piece, dtensor_pieces
+
+__all__ = ["ChunkSource", "TensorShard", "describe", "dtype_name", "torch_dtype"]
+
+
+@dataclass
+class TensorShard:
+    """The part of a global tensor held in `local`: boxes (`pieces`, at their local offsets) and/or
+    flat ranges of the canonical order (`flat`: global start, length, element offset in `local`,
+    which must then be contiguous)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    local: torch.Tensor
+    pieces: list[Piece] = field(default_factory=list)
+    flat: list[tuple[int, int, int]] = field(default_factory=list)
+    role: str | None = None
+
+    def regions(self) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """`(region, data)` per held piece: region as the core spells it, data a view of `local`
+        holding the region's elements in storage order (made contiguous by the writer)."""
+        for p in self.pieces:
+            if 0 in p.sizes:
+                continue
+            view = self.local[tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))]
+            yield ("box", list(p.global_offsets), list(p.sizes)), view
+        flat_local = self.local.reshape(-1) if self.flat else None
+        for start, length, off in self.flat:
+            if length:
+                yield ("flat", [start], [length]), flat_local[off : off + length]  # type: ignore[index]
+
+    def core_pieces(self, local: torch.Tensor) -> list[tuple[list[int], list[int], int, list[int]]]:
+        """Target pieces `(offsets, sizes, local_start, strides)` for loading into `local` (which has
+        the shape of `self.local`)."""
+        strides = list(local.stride())
+        out = []
+        for p in self.pieces:
+            if 0 in p.sizes:
+                continue
+            start = sum(o * s for o, s in zip(p.local_offsets, strides, strict=True))
+            out.append((list(p.global_offsets), list(p.sizes), start, strides))
+        for start, length, off in self.flat:
+            if length:
+                for o, s, ls, st in _core.flat_pieces(list(self.shape), start, length):
+                    out.append((o, s, ls + off, st))
+        return out
+
+
+@runtime_checkable
+class ChunkSource(Protocol):
+    """Anything that can describe itself as a `TensorShard` (e.g. an expert flat view)."""
+
+    def tensor_shard(self) -> TensorShard: ...
+
+
+def describe(key: str, value: Any) -> TensorShard:
+    """The `TensorShard` of a state-dict value: a DTensor, a plain tensor (the whole global
+    tensor, the same on every rank that has it) or a `ChunkSource`."""
+    if isinstance(value, DTensor):
+        try:
+            pieces = dtensor_pieces(value)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{key!r}: {exc}") from None
+        return TensorShard(value.dtype, tuple(value.shape), value.to_local(), pieces)
+    if isinstance(value, torch.Tensor):
+        shape = tuple(value.shape)
+        return TensorShard(value.dtype, shape, value, [Piece((0,) * len(shape), shape, (0,) * len(shape))])
+    if isinstance(value, ChunkSource):
+        return value.tensor_shard()
+    raise InvalidArgumentError(f"{key!r}: {type(value).__name__} is not a tensor")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"dtype {name!r} is not known to this torch")
+    return dtype

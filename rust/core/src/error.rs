@@ -1,0 +1,72 @@
+//! The one error type of the core. Every variant names what is wrong and where.
+
+use std::io;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CoreError {
+    /// An operating-system error while touching `path`.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The directory has no committed manifest.
+    #[error("{path}: not an olmo-chunks checkpoint: {reason}")]
+    NotACheckpoint { path: PathBuf, reason: String },
+    /// The manifest cannot be decoded or contradicts itself.
+    #[error("{path}: corrupt manifest: {reason}")]
+    CorruptManifest { path: PathBuf, reason: String },
+    /// The manifest was written by a newer (or unknown) format version.
+    #[error("{path}: checkpoint format version {found} is not supported by this reader (supports {supported}); upgrade olmo-chunks to read it")]
+    UnsupportedVersion {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    /// Data bytes do not match their recorded checksum.
+    #[error("{path}: checksum mismatch in tensor {key:?} chunk {chunk} (file bytes {start}..{end}): expected crc32c {expected:08x}, found {found:08x}")]
+    ChecksumMismatch {
+        path: PathBuf,
+        key: String,
+        chunk: usize,
+        start: u64,
+        end: u64,
+        expected: u32,
+        found: u32,
+    },
+    /// A data file is shorter than the manifest says.
+    #[error("{path}: data file is truncated: tensor {key:?} chunk {chunk} needs bytes up to {needed}, file has {size}")]
+    Truncated {
+        path: PathBuf,
+        key: String,
+        chunk: usize,
+        needed: u64,
+        size: u64,
+    },
+    /// Chunks out of bounds, overlapping, or not tiling their tensor.
+    #[error("tensor {key:?}: {reason}")]
+    Layout { key: String, reason: String },
+    /// A caller passed something inconsistent (e.g. a destination too small for its region).
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+pub type Result<T> = std::result::Result<T, CoreError>;
+
+impl CoreError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
+        CoreError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+    pub(crate) fn layout(key: &str, reason: impl Into<String>) -> Self {
+        CoreError::Layout {
+            key: key.to_string(),
+            reason: reason.into(),
+        }
+    }
+}

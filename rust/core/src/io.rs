@@ -1,0 +1,487 @@
+//! Parallel positional I/O: writing chunks with block checksums, and reading byte ranges of saved
+//! chunks straight into destination memory, verifying checksums on the way.
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use crate::error::{CoreError, Result};
+use crate::manifest::{block_count, sync_dir, Chunk, FileEntry, Manifest};
+
+/// Data offsets inside a file are multiples of this.
+pub const ALIGN: u64 = 64;
+/// Largest unit of work one worker reads or writes at a time (rounded to whole blocks).
+pub const MAX_UNIT: u64 = 8 << 20;
+
+/// Worker threads to use when the caller does not say: `OLMO_CHUNKS_THREADS`, else the core count
+/// clamped to 4..=32 (I/O waits as well as copies, so a few more threads than cores help).
+pub fn default_workers() -> usize {
+    if let Some(n) = std::env::var("OLMO_CHUNKS_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return usize::max(n, 1);
+    }
+    std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .clamp(4, 32)
+}
+
+/// Runs `job` on each item of `work` from `workers` scoped threads; the first error stops the rest.
+fn run_parallel<T: Send>(
+    work: Vec<T>,
+    workers: usize,
+    job: impl Fn(T) -> Result<()> + Sync,
+) -> Result<()> {
+    let workers = workers.clamp(1, work.len().max(1));
+    let queue = Mutex::new(work.into_iter());
+    let failed = AtomicBool::new(false);
+    let first_error = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                while !failed.load(Ordering::Relaxed) {
+                    let Some(item) = queue.lock().unwrap().next() else {
+                        break;
+                    };
+                    if let Err(e) = job(item) {
+                        failed.store(true, Ordering::Relaxed);
+                        first_error.lock().unwrap().get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    match first_error.into_inner().unwrap() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// One chunk to write: its bytes and the data file (index into the file list) it goes to.
+pub struct WriteItem<'a> {
+    pub file: usize,
+    pub data: &'a [u8],
+}
+
+/// Where a written chunk landed, with its block checksums.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Written {
+    pub file: u32,
+    pub offset: u64,
+    pub len: u64,
+    pub checksums: Vec<u32>,
+}
+
+/// Writes `items` into the data files `rel_paths` (relative to `dir`, created fresh) with
+/// `workers` threads, fsyncs the files and their directories, and returns where each item went.
+pub fn write_chunks(
+    dir: &Path,
+    rel_paths: &[String],
+    items: &[WriteItem<'_>],
+    block_size: u64,
+    workers: usize,
+) -> Result<(Vec<Written>, Vec<FileEntry>)> {
+    if block_size == 0 || items.iter().any(|it| it.file >= rel_paths.len()) {
+        return Err(CoreError::InvalidArgument(
+            "write_chunks: bad block size or file index".into(),
+        ));
+    }
+    let mut sizes = vec![0u64; rel_paths.len()];
+    let mut written = Vec::with_capacity(items.len());
+    for it in items {
+        let offset = sizes[it.file].next_multiple_of(ALIGN);
+        let len = it.data.len() as u64;
+        sizes[it.file] = offset + len;
+        written.push(Written {
+            file: it.file as u32,
+            offset,
+            len,
+            checksums: vec![0; block_count(len, block_size) as usize],
+        });
+    }
+    let paths: Vec<PathBuf> = rel_paths.iter().map(|p| dir.join(p)).collect();
+    let mut files = Vec::with_capacity(paths.len());
+    for (path, &size) in paths.iter().zip(&sizes) {
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(|e| CoreError::io(parent, e))?;
+        }
+        let f = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(path);
+        let f = f.map_err(|e| CoreError::io(path, e))?;
+        f.set_len(size).map_err(|e| CoreError::io(path, e))?;
+        files.push(f);
+    }
+    let unit = MAX_UNIT.next_multiple_of(block_size);
+    let mut work = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        let len = it.data.len() as u64;
+        let mut s = 0;
+        while s < len {
+            work.push((i, s, (s + unit).min(len)));
+            s += unit;
+        }
+    }
+    let crcs = Mutex::new(Vec::new());
+    run_parallel(work, workers, |(i, s, e)| {
+        let w = &written[i];
+        let data = &items[i].data[s as usize..e as usize];
+        files[w.file as usize]
+            .write_all_at(data, w.offset + s)
+            .map_err(|err| CoreError::io(&paths[w.file as usize], err))?;
+        let mut local: Vec<(usize, usize, u32)> = Vec::new();
+        for (k, block) in data.chunks(block_size as usize).enumerate() {
+            local.push((i, (s / block_size) as usize + k, crc32c::crc32c(block)));
+        }
+        crcs.lock().unwrap().extend(local);
+        Ok(())
+    })?;
+    for (i, b, c) in crcs.into_inner().unwrap() {
+        written[i].checksums[b] = c;
+    }
+    let synced: Vec<(&File, &PathBuf)> = files.iter().zip(&paths).collect();
+    run_parallel(synced, workers, |(f, p)| {
+        f.sync_all().map_err(|e| CoreError::io(p, e))
+    })?;
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for p in &paths {
+        let mut d = p.parent();
+        while let Some(x) = d {
+            if !x.starts_with(dir) || dirs.iter().any(|y| y == x) {
+                break;
+            }
+            dirs.push(x.to_path_buf());
+            d = x.parent();
+        }
+    }
+    for d in dirs {
+        sync_dir(&d)?;
+    }
+    let entries = rel_paths
+        .iter()
+        .zip(sizes)
+        .map(|(p, size)| FileEntry {
+            path: p.clone(),
+            size,
+        })
+        .collect();
+    Ok((written, entries))
+}
+
+/// Copy `len` bytes from byte `src` of saved chunk `chunk` (a manifest chunk index) to byte
+/// `dst_off` of destination buffer `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteCopy {
+    pub chunk: usize,
+    pub src: u64,
+    pub dst: usize,
+    pub dst_off: u64,
+    pub len: u64,
+}
+
+/// A block-aligned byte range of one chunk and the destination slices it fills.
+struct Unit<'a> {
+    chunk: usize,
+    start: u64,
+    end: u64,
+    /// (offset inside the unit, destination bytes)
+    parts: Vec<(u64, &'a mut [u8])>,
+}
+
+/// Names the tensor and chunk-in-tensor of manifest chunk `c`, for errors.
+fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
+    let t = m.chunk_start.partition_point(|&s| s <= c) - 1;
+    (m.tensors[t].key.clone(), c - m.chunk_start[t])
+}
+
+/// Executes `copies` from the checkpoint in `dir` into `dests`, reading every needed block of
+/// every chunk once, in parallel, straight into the destination where a whole unit lands in one
+/// place, and verifying block checksums when `verify` is set. Destination ranges must not overlap.
+pub fn read_into(
+    dir: &Path,
+    m: &Manifest,
+    mut copies: Vec<ByteCopy>,
+    dests: Vec<&mut [u8]>,
+    verify: bool,
+    workers: usize,
+) -> Result<()> {
+    copies.retain(|c| c.len > 0);
+    for c in &copies {
+        let chunk = m
+            .chunks
+            .get(c.chunk)
+            .ok_or_else(|| CoreError::InvalidArgument(format!("chunk {} out of range", c.chunk)))?;
+        let dest_len = dests.get(c.dst).map(|d| d.len() as u64);
+        let fits =
+            |off: u64, cap: Option<u64>| off.checked_add(c.len).is_some_and(|e| Some(e) <= cap);
+        if !fits(c.src, Some(chunk.len)) || !fits(c.dst_off, dest_len) {
+            return Err(CoreError::InvalidArgument(format!(
+                "copy {c:?} lies outside its chunk or destination"
+            )));
+        }
+    }
+    // Carve each copy its own disjoint destination slice.
+    let mut order: Vec<usize> = (0..copies.len()).collect();
+    order.sort_unstable_by_key(|&i| (copies[i].dst, copies[i].dst_off));
+    let mut slices: Vec<Option<&mut [u8]>> = (0..copies.len()).map(|_| None).collect();
+    let mut rest: Vec<Option<(u64, &mut [u8])>> = dests.into_iter().map(|d| Some((0, d))).collect();
+    for &i in &order {
+        let c = copies[i];
+        let (cursor, buf) = rest[c.dst].take().unwrap();
+        if c.dst_off < cursor {
+            return Err(CoreError::InvalidArgument(format!(
+                "destination ranges overlap in buffer {}",
+                c.dst
+            )));
+        }
+        let (_, tail) = buf.split_at_mut((c.dst_off - cursor) as usize);
+        let (mine, tail) = tail.split_at_mut(c.len as usize);
+        slices[i] = Some(mine);
+        rest[c.dst] = Some((c.dst_off + c.len, tail));
+    }
+    // Open and size-check every data file that is needed.
+    let mut files: Vec<Option<(File, PathBuf)>> = (0..m.files.len()).map(|_| None).collect();
+    for c in &copies {
+        let ch = &m.chunks[c.chunk];
+        let slot = &mut files[ch.file as usize];
+        if slot.is_none() {
+            let path = m.file_path(dir, ch.file);
+            let f = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
+            *slot = Some((f, path));
+        }
+        let (f, path) = slot.as_ref().unwrap();
+        let size = f.metadata().map_err(|e| CoreError::io(path, e))?.len();
+        if ch.offset + ch.len > size {
+            let (key, chunk) = chunk_name(m, c.chunk);
+            return Err(CoreError::Truncated {
+                path: path.clone(),
+                key,
+                chunk,
+                needed: ch.offset + ch.len,
+                size,
+            });
+        }
+    }
+    let units = make_units(m, &copies, slices);
+    let job = |u: Unit<'_>| -> Result<()> {
+        let ch = &m.chunks[u.chunk];
+        let (f, path) = files[ch.file as usize].as_ref().unwrap();
+        let read = |buf: &mut [u8]| -> Result<()> {
+            f.read_exact_at(buf, ch.offset + u.start)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => {
+                        let (key, chunk) = chunk_name(m, u.chunk);
+                        CoreError::Truncated {
+                            path: path.clone(),
+                            key,
+                            chunk,
+                            needed: ch.offset + u.end,
+                            size: 0,
+                        }
+                    }
+                    _ => CoreError::io(path, e),
+                })
+        };
+        let check = |buf: &[u8]| {
+            if verify {
+                check_blocks(m, u.chunk, ch, u.start, buf, path)
+            } else {
+                Ok(())
+            }
+        };
+        let mut parts = u.parts;
+        if parts.len() == 1 && parts[0].0 == 0 && parts[0].1.len() as u64 == u.end - u.start {
+            let dst = &mut *parts[0].1;
+            read(dst)?;
+            check(dst)
+        } else {
+            STAGING.with_borrow_mut(|buf| {
+                buf.resize((u.end - u.start) as usize, 0);
+                read(buf)?;
+                check(buf)?;
+                for (off, dst) in parts.iter_mut() {
+                    let n = dst.len();
+                    dst.copy_from_slice(&buf[*off as usize..*off as usize + n]);
+                }
+                Ok(())
+            })
+        }
+    };
+    run_parallel(units, workers, job)
+}
+
+thread_local! {
+    /// Per-worker staging buffer for units that scatter to several places (bounded by MAX_UNIT).
+    static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn check_blocks(
+    m: &Manifest,
+    c: usize,
+    ch: &Chunk,
+    start: u64,
+    buf: &[u8],
+    path: &Path,
+) -> Result<()> {
+    let bs = m.block_size;
+    let crcs = m.chunk_checksums(ch);
+    for (k, block) in buf.chunks(bs as usize).enumerate() {
+        let b = (start / bs) as usize + k;
+        let found = crc32c::crc32c(block);
+        if found != crcs[b] {
+            let (key, chunk) = chunk_name(m, c);
+            let s = ch.offset + b as u64 * bs;
+            return Err(CoreError::ChecksumMismatch {
+                path: path.to_path_buf(),
+                key,
+                chunk,
+                start: s,
+                end: s + block.len() as u64,
+                expected: crcs[b],
+                found,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Splits the needed bytes of every chunk into block-aligned units, cutting at the first and last
+/// whole block of each copy so that the interior of a large copy is read straight into place.
+fn make_units<'a>(
+    m: &Manifest,
+    copies: &[ByteCopy],
+    mut slices: Vec<Option<&'a mut [u8]>>,
+) -> Vec<Unit<'a>> {
+    let bs = m.block_size;
+    let unit_max = MAX_UNIT.next_multiple_of(bs);
+    let mut order: Vec<usize> = (0..copies.len()).collect();
+    order.sort_unstable_by_key(|&i| {
+        (
+            m.chunks[copies[i].chunk].file,
+            m.chunks[copies[i].chunk].offset,
+            copies[i].src,
+        )
+    });
+    let mut units: Vec<Unit<'a>> = Vec::new();
+    let mut k = 0;
+    while k < order.len() {
+        let chunk = copies[order[k]].chunk;
+        let clen = m.chunks[chunk].len;
+        let mut j = k;
+        while j < order.len() && copies[order[j]].chunk == chunk {
+            j += 1;
+        }
+        let group = &order[k..j];
+        // Needed block-aligned segments, and the cut points inside them.
+        let mut cuts: Vec<u64> = Vec::new();
+        let mut segs: Vec<(u64, u64)> = Vec::new();
+        for &i in group {
+            let c = copies[i];
+            let (a, b) = (
+                c.src / bs * bs,
+                (c.src + c.len).next_multiple_of(bs).min(clen),
+            );
+            match segs.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => segs.push((a, b)),
+            }
+            cuts.push(c.src.next_multiple_of(bs).min(clen));
+            cuts.push((c.src + c.len) / bs * bs);
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let first_unit = units.len();
+        let mut ci = 0;
+        for (s, e) in segs {
+            let mut pos = s;
+            while pos < e {
+                while ci < cuts.len() && cuts[ci] <= pos {
+                    ci += 1;
+                }
+                let mut end = (pos + unit_max).min(e);
+                if ci < cuts.len() && cuts[ci] < end {
+                    end = cuts[ci];
+                }
+                units.push(Unit {
+                    chunk,
+                    start: pos,
+                    end,
+                    parts: Vec::new(),
+                });
+                pos = end;
+            }
+        }
+        // Hand each copy's slice out to the units it overlaps, in pieces.
+        let ours = &mut units[first_unit..];
+        for &i in group {
+            let c = copies[i];
+            let mut slice = slices[i].take().unwrap();
+            let mut at = c.src;
+            let mut u = ours.partition_point(|u| u.end <= at);
+            while !slice.is_empty() {
+                let unit = &mut ours[u];
+                let n = (unit.end.min(c.src + c.len) - at) as usize;
+                let (head, tail) = slice.split_at_mut(n);
+                unit.parts.push((at - unit.start, head));
+                slice = tail;
+                at += n as u64;
+                u += 1;
+            }
+        }
+        k = j;
+    }
+    units
+}
+
+/// Streams every chunk of the checkpoint once and checks its block checksums and file extents.
+/// Returns the number of bytes verified.
+pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
+    let files = m
+        .files
+        .iter()
+        .map(|f| {
+            let path = dir.join(&f.path);
+            let file = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
+            Ok((file, path))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let unit_max = MAX_UNIT.next_multiple_of(m.block_size);
+    let mut work = Vec::new();
+    for (c, ch) in m.chunks.iter().enumerate() {
+        let mut s = 0;
+        while s < ch.len {
+            work.push((c, s, (s + unit_max).min(ch.len)));
+            s += unit_max;
+        }
+    }
+    let total = work.iter().map(|w| w.2 - w.1).sum();
+    run_parallel(work, workers, |(c, s, e)| {
+        let ch = &m.chunks[c];
+        let (f, path) = &files[ch.file as usize];
+        STAGING.with_borrow_mut(|buf| {
+            buf.resize((e - s) as usize, 0);
+            f.read_exact_at(buf, ch.offset + s)
+                .map_err(|err| match err.kind() {
+                    std::io::ErrorKind::UnexpectedEof => {
+                        let (key, chunk) = chunk_name(m, c);
+                        let size = f.metadata().map(|md| md.len()).unwrap_or(0);
+                        CoreError::Truncated {
+                            path: path.clone(),
+                            key,
+                            chunk,
+                            needed: ch.offset + e,
+                            size,
+                        }
+                    }
+                    _ => CoreError::io(path, err),
+                })?;
+            check_blocks(m, c, ch, s, buf, path)
+        })
+    })?;
+    Ok(total)
+}

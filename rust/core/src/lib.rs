@@ -1,0 +1,18 @@
+//! olmo-chunks core: the checkpoint format, chunk indexing and intersection, copy planning and
+//! parallel positional I/O. No Python here: it works on byte slices, paths and plans.
+
+pub mod dtype;
+pub mod error;
+pub mod index;
+pub mod io;
+pub mod load;
+pub mod manifest;
+pub mod plan;
+pub mod region;
+
+pub use error::{CoreError, Result};
+pub use io::{default_workers, read_into, verify_all, write_chunks, ByteCopy, WriteItem, Written};
+pub use load::{check_manifest_coverage, plan_copies, plan_runs, remove_stale_data, Target};
+pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};
+pub use plan::{check_coverage, Run, TensorPlanner};
+pub use region::{Piece, Region};

@@ -1,0 +1,158 @@
+//! Turning wanted regions into byte copies, and whole-manifest checks.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::dtype::itemsize;
+use crate::error::{CoreError, Result};
+use crate::io::ByteCopy;
+use crate::manifest::Manifest;
+use crate::plan::{check_coverage, Run, TensorPlanner};
+use crate::region::Piece;
+
+/// What one destination buffer wants from one tensor: pieces of the global tensor and where each
+/// element goes in the buffer (element offsets through the pieces' affine maps).
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub tensor: usize,
+    pub pieces: Vec<Piece>,
+    pub dest: usize,
+    /// Size of the destination buffer in bytes.
+    pub dest_len: u64,
+}
+
+/// Element runs per target, computed with one planner per tensor. Fails if a target lies outside
+/// its tensor, overflows its buffer, or is not fully covered by saved chunks.
+pub fn plan_runs(m: &Manifest, targets: &[Target]) -> Result<Vec<Run>> {
+    let mut by_tensor: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (i, t) in targets.iter().enumerate() {
+        if t.tensor >= m.tensors.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "tensor index {} out of range",
+                t.tensor
+            )));
+        }
+        by_tensor.entry(t.tensor).or_default().push(i);
+    }
+    let mut runs = Vec::new();
+    let mut tensors: Vec<_> = by_tensor.into_iter().collect();
+    tensors.sort_unstable();
+    for (ti, ids) in tensors {
+        let meta = &m.tensors[ti];
+        let item = itemsize(&meta.dtype).expect("validated at decode");
+        let regions: Vec<_> = m
+            .tensor_chunks(ti)
+            .iter()
+            .map(|c| c.region.clone())
+            .collect();
+        let planner = TensorPlanner::new(&meta.shape, &regions);
+        let base = m.chunk_start[ti];
+        for i in ids {
+            let t = &targets[i];
+            let mut want = 0u64;
+            for p in &t.pieces {
+                let inside = p.offsets.len() == meta.shape.len()
+                    && p.sizes.len() == meta.shape.len()
+                    && p.strides.len() == meta.shape.len()
+                    && p.offsets
+                        .iter()
+                        .zip(&p.sizes)
+                        .zip(&meta.shape)
+                        .all(|((o, s), n)| o.checked_add(*s).is_some_and(|e| e <= *n));
+                if !inside {
+                    return Err(CoreError::layout(
+                        &meta.key,
+                        format!(
+                            "target piece {:?}+{:?} lies outside shape {:?}",
+                            p.offsets, p.sizes, meta.shape
+                        ),
+                    ));
+                }
+                if p.local_extent()
+                    .checked_mul(item)
+                    .is_none_or(|e| e > t.dest_len)
+                {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "tensor {:?}: destination of {} bytes is too small for its region",
+                        meta.key, t.dest_len
+                    )));
+                }
+                want += p.numel();
+            }
+            let before = runs.len();
+            planner.plan(i, &t.pieces, &mut runs);
+            let got: u64 = runs[before..].iter().map(|r| r.len).sum();
+            if got != want {
+                return Err(CoreError::layout(
+                    &meta.key,
+                    format!("saved chunks cover {got} of the {want} wanted elements"),
+                ));
+            }
+            for r in &mut runs[before..] {
+                r.src += base;
+            }
+        }
+    }
+    Ok(runs)
+}
+
+/// Byte copies for `targets` (element runs scaled by the tensors' item sizes).
+pub fn plan_copies(m: &Manifest, targets: &[Target]) -> Result<Vec<ByteCopy>> {
+    let runs = plan_runs(m, targets)?;
+    Ok(runs
+        .into_iter()
+        .map(|r| {
+            let item = itemsize(&m.tensors[targets[r.dst].tensor].dtype).unwrap();
+            ByteCopy {
+                chunk: r.src,
+                src: r.src_elem * item,
+                dst: targets[r.dst].dest,
+                dst_off: r.dst_elem * item,
+                len: r.len * item,
+            }
+        })
+        .collect())
+}
+
+/// Checks that every tensor's chunks cover it exactly once.
+pub fn check_manifest_coverage(m: &Manifest) -> Result<()> {
+    for (t, meta) in m.tensors.iter().enumerate() {
+        let regions: Vec<_> = m
+            .tensor_chunks(t)
+            .iter()
+            .map(|c| c.region.clone())
+            .collect();
+        check_coverage(&meta.key, &meta.shape, &regions)?;
+    }
+    Ok(())
+}
+
+/// Removes data directories `dir/data/*` that the committed manifest does not reference (left by
+/// earlier saves or by failed ones). Returns how many were removed.
+pub fn remove_stale_data(dir: &Path, m: &Manifest) -> Result<usize> {
+    let data = dir.join("data");
+    let Ok(entries) = std::fs::read_dir(&data) else {
+        return Ok(0);
+    };
+    let live: std::collections::HashSet<&str> = m
+        .files
+        .iter()
+        .filter_map(|f| f.path.strip_prefix("data/")?.split('/').next())
+        .collect();
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !live.contains(name.as_ref()) {
+            let p = e.path();
+            let res = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+            res.map_err(|err| CoreError::io(&p, err))?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}

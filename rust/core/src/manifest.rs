@@ -1,0 +1,397 @@
+//! The manifest: a 64-byte header, a JSON metadata section, a binary chunk table and a checksum
+//! table. `docs/FORMAT.md` is the normative description; keep the two in step.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::itemsize;
+use crate::error::{CoreError, Result};
+use crate::region::{checked_numel, Region};
+
+pub const MAGIC: &[u8; 8] = b"OCHUNKS\n";
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_NAME: &str = "olmo_chunks.manifest";
+pub const HEADER_LEN: usize = 64;
+/// Metadata sections larger than this are refused as corrupt.
+pub const MAX_META_LEN: u64 = 1 << 30;
+pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
+
+const KIND_BOX: u8 = 0;
+const KIND_FLAT: u8 = 1;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub path: String,
+    pub size: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorEntry {
+    pub key: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub role: String,
+    pub order: String,
+    pub chunks: usize,
+}
+
+/// Where one saved chunk lies in its tensor and in its data file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub region: Region,
+    pub file: u32,
+    pub offset: u64,
+    pub len: u64,
+    /// Index of the chunk's first block checksum in the checksum table.
+    pub crc_index: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Meta {
+    format: String,
+    version: u32,
+    save_id: String,
+    block_size: u64,
+    checksum: String,
+    files: Vec<FileEntry>,
+    tensors: Vec<TensorEntry>,
+    #[serde(default)]
+    entries: serde_json::Value,
+    #[serde(default)]
+    info: serde_json::Value,
+}
+
+/// A decoded, validated manifest.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Manifest {
+    pub save_id: String,
+    pub block_size: u64,
+    pub files: Vec<FileEntry>,
+    pub tensors: Vec<TensorEntry>,
+    /// First chunk of each tensor in `chunks` (tensor `t` owns `chunk_start[t]..chunk_start[t+1]`).
+    pub chunk_start: Vec<usize>,
+    pub chunks: Vec<Chunk>,
+    pub checksums: Vec<u32>,
+    /// Plain (non-tensor) values, tagged JSON owned by the Python layer.
+    pub entries: serde_json::Value,
+    /// Save topology and other information; never needed to load.
+    pub info: serde_json::Value,
+}
+
+/// Number of checksum blocks of a chunk of `len` bytes.
+pub fn block_count(len: u64, block_size: u64) -> u64 {
+    len.div_ceil(block_size)
+}
+
+impl Manifest {
+    pub fn tensor_chunks(&self, t: usize) -> &[Chunk] {
+        &self.chunks[self.chunk_start[t]..self.chunk_start[t + 1]]
+    }
+
+    pub fn chunk_checksums(&self, c: &Chunk) -> &[u32] {
+        let n = block_count(c.len, self.block_size) as usize;
+        &self.checksums[c.crc_index as usize..c.crc_index as usize + n]
+    }
+
+    pub fn tensor_index(&self, key: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.key == key)
+    }
+
+    /// Encodes the manifest to bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let meta = Meta {
+            format: "olmo-chunks".into(),
+            version: FORMAT_VERSION,
+            save_id: self.save_id.clone(),
+            block_size: self.block_size,
+            checksum: "crc32c".into(),
+            files: self.files.clone(),
+            tensors: self.tensors.clone(),
+            entries: self.entries.clone(),
+            info: self.info.clone(),
+        };
+        let meta = serde_json::to_vec(&meta).expect("manifest metadata is always serialisable");
+        let mut table = Vec::new();
+        for (t, tensor) in self.tensors.iter().enumerate() {
+            for c in self.tensor_chunks(t) {
+                let kind = match c.region {
+                    Region::Box { .. } => KIND_BOX,
+                    Region::Flat { .. } => KIND_FLAT,
+                };
+                table.extend_from_slice(&[kind, 0, 0, 0]);
+                table.extend_from_slice(&c.file.to_le_bytes());
+                for v in [c.offset, c.len, c.crc_index] {
+                    table.extend_from_slice(&v.to_le_bytes());
+                }
+                match &c.region {
+                    Region::Box { offsets, sizes } => {
+                        debug_assert_eq!(offsets.len(), tensor.shape.len());
+                        for v in offsets.iter().chain(sizes) {
+                            table.extend_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                    Region::Flat { start, len } => {
+                        table.extend_from_slice(&start.to_le_bytes());
+                        table.extend_from_slice(&len.to_le_bytes());
+                    }
+                }
+            }
+        }
+        let mut crcs = Vec::with_capacity(self.checksums.len() * 4);
+        for c in &self.checksums {
+            crcs.extend_from_slice(&c.to_le_bytes());
+        }
+        let mut out = vec![0u8; HEADER_LEN];
+        out[0..8].copy_from_slice(MAGIC);
+        out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out[16..24].copy_from_slice(&(meta.len() as u64).to_le_bytes());
+        out[24..32].copy_from_slice(&(table.len() as u64).to_le_bytes());
+        out[32..40].copy_from_slice(&(crcs.len() as u64).to_le_bytes());
+        let mut body = crc32c::crc32c(&meta);
+        body = crc32c::crc32c_append(body, &table);
+        body = crc32c::crc32c_append(body, &crcs);
+        out[40..44].copy_from_slice(&body.to_le_bytes());
+        let head = crc32c::crc32c(&out[0..44]);
+        out[44..48].copy_from_slice(&head.to_le_bytes());
+        out.extend_from_slice(&meta);
+        out.extend_from_slice(&table);
+        out.extend_from_slice(&crcs);
+        out
+    }
+
+    /// Decodes and validates manifest bytes; `path` only names the source in errors.
+    pub fn decode(bytes: &[u8], path: &Path) -> Result<Self> {
+        let bad = |reason: String| CoreError::CorruptManifest {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if bytes.len() < HEADER_LEN || &bytes[0..8] != MAGIC {
+            return Err(bad(
+                "not an olmo-chunks manifest (bad magic or too short)".into()
+            ));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
+        let version = u32_at(8);
+        if version != FORMAT_VERSION {
+            return Err(CoreError::UnsupportedVersion {
+                path: path.to_path_buf(),
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        if crc32c::crc32c(&bytes[0..44]) != u32_at(44) {
+            return Err(bad("header checksum mismatch".into()));
+        }
+        let (meta_len, table_len, crc_len) = (u64_at(16), u64_at(24), u64_at(32));
+        let expected = [meta_len, table_len, crc_len]
+            .iter()
+            .try_fold(HEADER_LEN as u64, |a, &b| a.checked_add(b));
+        if meta_len > MAX_META_LEN || expected != Some(bytes.len() as u64) || crc_len % 4 != 0 {
+            return Err(bad(format!(
+                "section lengths {meta_len}+{table_len}+{crc_len} do not match the file size {}",
+                bytes.len()
+            )));
+        }
+        let body = &bytes[HEADER_LEN..];
+        if crc32c::crc32c(body) != u32_at(40) {
+            return Err(bad("body checksum mismatch".into()));
+        }
+        let (meta, rest) = body.split_at(meta_len as usize);
+        let (table, crc_bytes) = rest.split_at(table_len as usize);
+        let meta: Meta = serde_json::from_slice(meta).map_err(|e| bad(format!("metadata: {e}")))?;
+        if meta.version != version {
+            return Err(bad(format!(
+                "metadata says version {} but header says {version}",
+                meta.version
+            )));
+        }
+        if meta.checksum != "crc32c" {
+            return Err(bad(format!(
+                "unknown checksum algorithm {:?}",
+                meta.checksum
+            )));
+        }
+        if meta.block_size == 0 || meta.block_size > MAX_META_LEN {
+            return Err(bad(format!("block size {} out of range", meta.block_size)));
+        }
+        for f in &meta.files {
+            if !is_contained(&f.path) {
+                return Err(bad(format!(
+                    "data file {:?} points outside the checkpoint directory",
+                    f.path
+                )));
+            }
+        }
+        let checksums: Vec<u32> = crc_bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let mut seen = std::collections::HashSet::with_capacity(meta.tensors.len());
+        let mut chunks = Vec::new();
+        let mut chunk_start = Vec::with_capacity(meta.tensors.len() + 1);
+        let mut pos = 0usize;
+        for t in &meta.tensors {
+            let key = &t.key;
+            if !seen.insert(key.as_str()) {
+                return Err(bad(format!("tensor {key:?} is listed twice")));
+            }
+            let item = itemsize(&t.dtype)
+                .ok_or_else(|| bad(format!("tensor {key:?}: unknown dtype {:?}", t.dtype)))?;
+            if t.order != "row-major" {
+                return Err(bad(format!(
+                    "tensor {key:?}: unknown element order {:?}",
+                    t.order
+                )));
+            }
+            checked_numel(&t.shape)
+                .and_then(|n| n.checked_mul(item))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tensor {key:?}: absurd shape {:?} overflows",
+                        t.shape
+                    ))
+                })?;
+            chunk_start.push(chunks.len());
+            for ci in 0..t.chunks {
+                let what = |r: String| bad(format!("tensor {key:?} chunk {ci}: {r}"));
+                let take = |pos: &mut usize, n: usize| -> Result<&[u8]> {
+                    let end = pos.checked_add(n).filter(|&e| e <= table.len());
+                    let end = end.ok_or_else(|| what("chunk table ends early".into()))?;
+                    let s = &table[*pos..end];
+                    *pos = end;
+                    Ok(s)
+                };
+                let rd = |pos: &mut usize| -> Result<u64> {
+                    Ok(u64::from_le_bytes(take(pos, 8)?.try_into().unwrap()))
+                };
+                let head = take(&mut pos, 8)?;
+                let (kind, file) = (head[0], u32::from_le_bytes(head[4..8].try_into().unwrap()));
+                let (offset, len, crc_index) = (rd(&mut pos)?, rd(&mut pos)?, rd(&mut pos)?);
+                let region = match kind {
+                    KIND_BOX => {
+                        let n = t.shape.len();
+                        let mut v = Vec::with_capacity(2 * n);
+                        for _ in 0..2 * n {
+                            v.push(rd(&mut pos)?);
+                        }
+                        let sizes = v.split_off(n);
+                        Region::Box { offsets: v, sizes }
+                    }
+                    KIND_FLAT => Region::Flat {
+                        start: rd(&mut pos)?,
+                        len: rd(&mut pos)?,
+                    },
+                    k => return Err(what(format!("unknown region kind {k}"))),
+                };
+                region.check_bounds(&t.shape).map_err(what)?;
+                let nbytes = region.numel().and_then(|n| n.checked_mul(item));
+                if nbytes != Some(len) {
+                    return Err(what(format!(
+                        "byte length {len} does not match its region {region:?}"
+                    )));
+                }
+                let fe = meta
+                    .files
+                    .get(file as usize)
+                    .ok_or_else(|| what(format!("file index {file} out of range")))?;
+                if offset.checked_add(len).is_none_or(|e| e > fe.size) {
+                    return Err(what(format!(
+                        "bytes {offset}+{len} lie outside its file {:?} of {} bytes",
+                        fe.path, fe.size
+                    )));
+                }
+                let nblocks = block_count(len, meta.block_size);
+                if crc_index
+                    .checked_add(nblocks)
+                    .is_none_or(|e| e > checksums.len() as u64)
+                {
+                    return Err(what("checksum index out of range".into()));
+                }
+                chunks.push(Chunk {
+                    region,
+                    file,
+                    offset,
+                    len,
+                    crc_index,
+                });
+            }
+        }
+        chunk_start.push(chunks.len());
+        if pos != table.len() {
+            return Err(bad(format!(
+                "{} trailing bytes in the chunk table",
+                table.len() - pos
+            )));
+        }
+        Ok(Manifest {
+            save_id: meta.save_id,
+            block_size: meta.block_size,
+            files: meta.files,
+            tensors: meta.tensors,
+            chunk_start,
+            chunks,
+            checksums,
+            entries: meta.entries,
+            info: meta.info,
+        })
+    }
+
+    /// Reads the committed manifest of checkpoint directory `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST_NAME);
+        let missing = |reason: String| CoreError::NotACheckpoint {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        if !dir.exists() {
+            return Err(missing("no such directory".into()));
+        }
+        if !dir.is_dir() {
+            return Err(missing("not a directory".into()));
+        }
+        match fs::read(&path) {
+            Ok(bytes) => Self::decode(&bytes, &path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(missing(format!(
+                "no committed manifest {MANIFEST_NAME:?} (an interrupted save never commits one)"
+            ))),
+            Err(e) => Err(CoreError::io(path, e)),
+        }
+    }
+
+    /// Absolute path of data file `file`.
+    pub fn file_path(&self, dir: &Path, file: u32) -> PathBuf {
+        dir.join(&self.files[file as usize].path)
+    }
+
+    /// Writes the manifest into `dir` atomically: temp name, fsync, rename, fsync of the directory.
+    pub fn commit(&self, dir: &Path) -> Result<()> {
+        let bytes = self.encode();
+        let tmp = dir.join(format!(".{MANIFEST_NAME}.tmp-{}", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()
+        };
+        write().map_err(|e| CoreError::io(&tmp, e))?;
+        let dst = dir.join(MANIFEST_NAME);
+        fs::rename(&tmp, &dst).map_err(|e| CoreError::io(&dst, e))?;
+        sync_dir(dir)
+    }
+}
+
+/// fsyncs a directory so a rename or create inside it is durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| CoreError::io(dir, e))
+}
+
+/// True if `rel` is a relative path that stays inside its base directory.
+fn is_contained(rel: &str) -> bool {
+    let p = Path::new(rel);
+    !rel.is_empty() && p.components().all(|c| matches!(c, Component::Normal(_)))
+}

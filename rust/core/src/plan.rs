@@ -1,0 +1,136 @@
+//! Intersecting wanted regions with saved chunks, and the exact-once coverage check.
+
+use crate::error::{CoreError, Result};
+use crate::index::BoxIndex;
+use crate::region::{checked_numel, for_each_run, intersect_boxes, Piece, Region};
+
+/// One copy: `len` elements at element `src_elem` of saved chunk `src` go to element `dst_elem`
+/// of target `dst`. Contiguous on both sides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Run {
+    pub src: usize,
+    pub src_elem: u64,
+    pub dst: usize,
+    pub dst_elem: u64,
+    pub len: u64,
+}
+
+/// The saved chunks of one tensor, indexed for intersection queries.
+pub struct TensorPlanner {
+    pieces: Vec<Piece>,
+    piece_chunk: Vec<usize>,
+    index: BoxIndex,
+}
+
+impl TensorPlanner {
+    /// `chunks` must already be bounds-checked against `shape`.
+    pub fn new(shape: &[u64], chunks: &[Region]) -> Self {
+        let mut pieces = Vec::new();
+        let mut piece_chunk = Vec::new();
+        for (c, region) in chunks.iter().enumerate() {
+            for p in region.pieces(shape) {
+                pieces.push(p);
+                piece_chunk.push(c);
+            }
+        }
+        let index = BoxIndex::new(
+            shape.len(),
+            pieces
+                .iter()
+                .map(|p| (p.offsets.as_slice(), p.sizes.as_slice())),
+        );
+        TensorPlanner {
+            pieces,
+            piece_chunk,
+            index,
+        }
+    }
+
+    /// Appends the runs that fill target `dst` (given as pieces of the global tensor with their
+    /// local map) from the saved chunks. Adjacent runs are merged.
+    pub fn plan(&self, dst: usize, target: &[Piece], out: &mut Vec<Run>) {
+        for t in target {
+            let mut hits = Vec::new();
+            self.index.query(&t.offsets, &t.sizes, |i| hits.push(i));
+            hits.sort_unstable();
+            for i in hits {
+                let s = &self.pieces[i];
+                let src = self.piece_chunk[i];
+                if let Some((off, size)) =
+                    intersect_boxes(&s.offsets, &s.sizes, &t.offsets, &t.sizes)
+                {
+                    for_each_run(&off, &size, s, t, |src_elem, dst_elem, len| {
+                        push_merged(
+                            out,
+                            Run {
+                                src,
+                                src_elem,
+                                dst,
+                                dst_elem,
+                                len,
+                            },
+                        )
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn push_merged(out: &mut Vec<Run>, r: Run) {
+    if let Some(last) = out.last_mut() {
+        if last.src == r.src
+            && last.dst == r.dst
+            && last.src_elem + last.len == r.src_elem
+            && last.dst_elem + last.len == r.dst_elem
+        {
+            last.len += r.len;
+            return;
+        }
+    }
+    out.push(r);
+}
+
+/// Checks that `chunks` lie inside `shape` and cover every element exactly once.
+pub fn check_coverage(key: &str, shape: &[u64], chunks: &[Region]) -> Result<()> {
+    let total = checked_numel(shape)
+        .ok_or_else(|| CoreError::layout(key, format!("shape {shape:?} overflows u64 elements")))?;
+    let mut covered = 0u64;
+    for (c, r) in chunks.iter().enumerate() {
+        r.check_bounds(shape)
+            .map_err(|why| CoreError::layout(key, format!("chunk {c}: {why}")))?;
+        covered = r
+            .numel()
+            .and_then(|n| covered.checked_add(n))
+            .ok_or_else(|| CoreError::layout(key, "chunk sizes overflow u64"))?;
+    }
+    let planner = TensorPlanner::new(shape, chunks);
+    for (i, p) in planner.pieces.iter().enumerate() {
+        let mut clash = None;
+        planner.index.query(&p.offsets, &p.sizes, |j| {
+            if j != i && clash.is_none() {
+                clash = Some(j);
+            }
+        });
+        if let Some(j) = clash {
+            let (a, b) = (planner.piece_chunk[i], planner.piece_chunk[j]);
+            return Err(CoreError::layout(
+                key,
+                format!(
+                    "chunks {a} ({:?}) and {b} ({:?}) overlap",
+                    chunks[a], chunks[b]
+                ),
+            ));
+        }
+    }
+    if covered != total {
+        return Err(CoreError::layout(
+            key,
+            format!(
+                "chunks cover {covered} of {total} elements; {} element(s) are missing",
+                total - covered
+            ),
+        ));
+    }
+    Ok(())
+}

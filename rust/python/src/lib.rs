@@ -1,0 +1,452 @@
+//! Python bindings for the olmo-chunks core. Thin on purpose: convert arguments, release the GIL
+//! around the work, map errors onto the `olmo_chunks.errors` hierarchy.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use olmo_chunks_core as core;
+use olmo_chunks_core::{CoreError, Manifest, Piece, Region};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+/// Maps a core error onto the Python exception hierarchy in `olmo_chunks.errors`.
+fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
+    let msg = e.to_string();
+    let (class, os): (&str, Option<(i32, String)>) = match &e {
+        CoreError::Io { path, source } => {
+            let class = match source.kind() {
+                std::io::ErrorKind::NotFound => "MissingDataFileError",
+                _ => "StorageError",
+            };
+            (
+                class,
+                Some((
+                    source.raw_os_error().unwrap_or(0),
+                    path.display().to_string(),
+                )),
+            )
+        }
+        CoreError::NotACheckpoint { .. } => ("CheckpointNotFoundError", None),
+        CoreError::CorruptManifest { .. } => ("CorruptManifestError", None),
+        CoreError::UnsupportedVersion { .. } => ("UnsupportedFormatError", None),
+        CoreError::ChecksumMismatch { .. } => ("ChecksumError", None),
+        CoreError::Truncated { .. } => ("TruncatedDataError", None),
+        CoreError::Layout { .. } => ("LayoutError", None),
+        CoreError::InvalidArgument(_) => ("InvalidArgumentError", None),
+        _ => ("OlmoChunksError", None),
+    };
+    let made = py
+        .import("olmo_chunks.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|cls| match os {
+            Some((errno, path)) => cls.call1((errno, msg.clone(), path)),
+            None => cls.call1((msg.clone(),)),
+        });
+    match made {
+        Ok(value) => PyErr::from_value(value),
+        Err(_) => PyRuntimeError::new_err(msg),
+    }
+}
+
+/// Runs `f` without the GIL and converts its error.
+fn detach<T: Send>(py: Python<'_>, f: impl FnOnce() -> core::Result<T> + Send) -> PyResult<T> {
+    py.detach(f).map_err(|e| to_pyerr(py, e))
+}
+
+fn worker_count(n: Option<usize>) -> usize {
+    n.unwrap_or_else(core::default_workers)
+}
+
+/// Raw (pointer, length) buffers handed over by Python, turned into disjoint byte slices.
+fn as_slices<'a>(raw: &[(usize, usize)]) -> Result<Vec<&'a mut [u8]>, CoreError> {
+    let mut spans: Vec<(usize, usize)> = raw.iter().copied().filter(|&(_, n)| n > 0).collect();
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err(CoreError::InvalidArgument(
+            "destination tensors share memory".into(),
+        ));
+    }
+    Ok(raw
+        .iter()
+        .map(|&(ptr, len)| {
+            if len == 0 {
+                return &mut [][..];
+            }
+            // SAFETY: the Python caller (olmo_chunks) passes `data_ptr()` and byte size of live,
+            // writable, contiguous-storage CPU tensors that it keeps referenced for the whole call and
+            // does not touch concurrently; the check above proves the spans are disjoint.
+            unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
+        })
+        .collect())
+}
+
+fn region_to_py<'py>(py: Python<'py>, r: &Region) -> PyResult<Bound<'py, PyTuple>> {
+    match r {
+        Region::Box { offsets, sizes } => ("box", offsets.clone(), sizes.clone()).into_pyobject(py),
+        Region::Flat { start, len } => ("flat", vec![*start], vec![*len]).into_pyobject(py),
+    }
+}
+
+fn region_from_py(kind: &str, a: Vec<u64>, b: Vec<u64>) -> Result<Region, CoreError> {
+    match (kind, a.as_slice(), b.as_slice()) {
+        ("box", _, _) => Ok(Region::Box {
+            offsets: a,
+            sizes: b,
+        }),
+        ("flat", [start], [len]) => Ok(Region::Flat {
+            start: *start,
+            len: *len,
+        }),
+        _ => Err(CoreError::InvalidArgument(format!(
+            "bad region {kind:?} {a:?} {b:?}"
+        ))),
+    }
+}
+
+type PyPiece = (Vec<u64>, Vec<u64>, u64, Vec<u64>);
+
+/// A decoded, validated checkpoint manifest.
+#[pyclass(name = "Manifest", module = "olmo_chunks._core", frozen)]
+struct PyManifest {
+    inner: Arc<Manifest>,
+    dir: PathBuf,
+}
+
+#[pymethods]
+impl PyManifest {
+    /// Reads the committed manifest of checkpoint directory `path`.
+    #[staticmethod]
+    fn open(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let m = detach(py, || Manifest::open(&path))?;
+        Ok(PyManifest {
+            inner: Arc::new(m),
+            dir: path,
+        })
+    }
+
+    #[getter]
+    fn format_version(&self) -> u32 {
+        core::FORMAT_VERSION
+    }
+    #[getter]
+    fn save_id(&self) -> &str {
+        &self.inner.save_id
+    }
+    #[getter]
+    fn block_size(&self) -> u64 {
+        self.inner.block_size
+    }
+    #[getter]
+    fn num_chunks(&self) -> usize {
+        self.inner.chunks.len()
+    }
+    /// `(path, size)` of every data file.
+    #[getter]
+    fn files(&self) -> Vec<(String, u64)> {
+        self.inner
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), f.size))
+            .collect()
+    }
+    /// `(key, dtype, shape, role, chunk_count, nbytes)` of every tensor, in manifest order.
+    #[getter]
+    fn tensors(&self) -> Vec<(String, String, Vec<u64>, String, usize, u64)> {
+        let m = &self.inner;
+        m.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let nbytes = m.tensor_chunks(i).iter().map(|c| c.len).sum();
+                (
+                    t.key.clone(),
+                    t.dtype.clone(),
+                    t.shape.clone(),
+                    t.role.clone(),
+                    t.chunks,
+                    nbytes,
+                )
+            })
+            .collect()
+    }
+    #[getter]
+    fn entries_json(&self) -> String {
+        self.inner.entries.to_string()
+    }
+    #[getter]
+    fn info_json(&self) -> String {
+        self.inner.info.to_string()
+    }
+    /// `(kind, a, b, file, offset, nbytes)` for each saved chunk of tensor `t`: kind "box" with
+    /// offsets/sizes, or "flat" with `[start]`/`[len]`.
+    fn chunks<'py>(&self, py: Python<'py>, t: usize) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        if t >= self.inner.tensors.len() {
+            return Err(to_pyerr(
+                py,
+                CoreError::InvalidArgument(format!("tensor index {t} out of range")),
+            ));
+        }
+        self.inner
+            .tensor_chunks(t)
+            .iter()
+            .map(|c| {
+                let r = region_to_py(py, &c.region)?;
+                (
+                    r.get_item(0)?,
+                    r.get_item(1)?,
+                    r.get_item(2)?,
+                    c.file,
+                    c.offset,
+                    c.len,
+                )
+                    .into_pyobject(py)
+            })
+            .collect()
+    }
+    /// Checks that every tensor is covered by its chunks exactly once.
+    fn check_coverage(&self, py: Python<'_>) -> PyResult<()> {
+        let m = self.inner.clone();
+        detach(py, move || core::check_manifest_coverage(&m))
+    }
+    /// Reads every chunk and checks its checksums; returns the bytes verified.
+    #[pyo3(signature = (workers=None))]
+    fn verify_data(&self, py: Python<'_>, workers: Option<usize>) -> PyResult<u64> {
+        let (m, dir) = (self.inner.clone(), self.dir.clone());
+        detach(py, move || {
+            core::verify_all(&dir, &m, worker_count(workers))
+        })
+    }
+    /// Element runs `(chunk_in_tensor, src_elem, target, dst_elem, len)` filling each target.
+    /// A target is `(tensor_index, pieces)`, a piece `(offsets, sizes, local_start, strides)`.
+    fn plan_runs(
+        &self,
+        py: Python<'_>,
+        targets: Vec<(usize, Vec<PyPiece>)>,
+    ) -> PyResult<Vec<(usize, u64, usize, u64, u64)>> {
+        let m = self.inner.clone();
+        let targets: Vec<core::Target> = targets
+            .into_iter()
+            .enumerate()
+            .map(|(i, (tensor, pieces))| core::Target {
+                tensor,
+                pieces: pieces.into_iter().map(piece).collect(),
+                dest: i,
+                dest_len: u64::MAX,
+            })
+            .collect();
+        detach(py, move || {
+            let runs = core::plan_runs(&m, &targets)?;
+            Ok(runs
+                .into_iter()
+                .map(|r| {
+                    (
+                        r.src - m.chunk_start[targets[r.dst].tensor],
+                        r.src_elem,
+                        r.dst,
+                        r.dst_elem,
+                        r.len,
+                    )
+                })
+                .collect())
+        })
+    }
+    /// Fills destination buffers from the checkpoint. `targets` are `(tensor_index, pieces,
+    /// buffer_index)`; `buffers` are `(address, nbytes)` of live CPU memory.
+    #[pyo3(signature = (targets, buffers, verify=true, workers=None))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        targets: Vec<(usize, Vec<PyPiece>, usize)>,
+        buffers: Vec<(usize, usize)>,
+        verify: bool,
+        workers: Option<usize>,
+    ) -> PyResult<()> {
+        let (m, dir) = (self.inner.clone(), self.dir.clone());
+        let mut ts = Vec::with_capacity(targets.len());
+        for (tensor, pieces, dest) in targets {
+            let Some(&(_, dest_len)) = buffers.get(dest) else {
+                return Err(to_pyerr(
+                    py,
+                    CoreError::InvalidArgument(format!("buffer index {dest} out of range")),
+                ));
+            };
+            ts.push(core::Target {
+                tensor,
+                pieces: pieces.into_iter().map(piece).collect(),
+                dest,
+                dest_len: dest_len as u64,
+            });
+        }
+        detach(py, move || {
+            let copies = core::plan_copies(&m, &ts)?;
+            core::read_into(
+                &dir,
+                &m,
+                copies,
+                as_slices(&buffers)?,
+                verify,
+                worker_count(workers),
+            )
+        })
+    }
+}
+
+fn piece((offsets, sizes, local_start, strides): PyPiece) -> Piece {
+    Piece {
+        offsets,
+        sizes,
+        local_start,
+        strides,
+    }
+}
+
+/// Pieces `(offsets, sizes, local_start, strides)` of the flat range `[start, start + len)` of a
+/// tensor of `shape`, with local offsets counted from `start`.
+#[pyfunction]
+fn flat_pieces(py: Python<'_>, shape: Vec<u64>, start: u64, len: u64) -> PyResult<Vec<PyPiece>> {
+    let r = Region::Flat { start, len };
+    r.check_bounds(&shape)
+        .map_err(|why| to_pyerr(py, CoreError::InvalidArgument(why)))?;
+    Ok(r.pieces(&shape)
+        .into_iter()
+        .map(|p| (p.offsets, p.sizes, p.local_start, p.strides))
+        .collect())
+}
+
+/// Writes chunks `(file_index, address, nbytes)` into fresh data files `rel_paths` under `dir`,
+/// fsyncs them, and returns `([(file, offset, nbytes, checksums)], [(path, size)])`.
+#[pyfunction]
+#[pyo3(signature = (dir, rel_paths, items, block_size, workers=None))]
+#[allow(clippy::type_complexity)]
+fn write_chunks<'py>(
+    py: Python<'py>,
+    dir: PathBuf,
+    rel_paths: Vec<String>,
+    items: Vec<(usize, usize, usize)>,
+    block_size: u64,
+    workers: Option<usize>,
+) -> PyResult<(
+    Vec<(u32, u64, u64, Bound<'py, PyBytes>)>,
+    Vec<(String, u64)>,
+)> {
+    let datas: Vec<(usize, &[u8])> = items
+        .iter()
+        .map(|&(file, ptr, len)| {
+            let data: &[u8] = if len == 0 {
+                &[]
+            } else {
+                // SAFETY: the Python caller passes `data_ptr()` and byte size of live contiguous CPU
+                // tensors that it keeps referenced and unmodified for the whole call; we only read.
+                unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+            };
+            (file, data)
+        })
+        .collect();
+    let (written, files) = detach(py, move || {
+        let items: Vec<core::WriteItem<'_>> = datas
+            .iter()
+            .map(|&(file, data)| core::WriteItem { file, data })
+            .collect();
+        core::write_chunks(&dir, &rel_paths, &items, block_size, worker_count(workers))
+    })?;
+    let written = written
+        .into_iter()
+        .map(|w| {
+            let crcs: Vec<u8> = w.checksums.iter().flat_map(|c| c.to_le_bytes()).collect();
+            (w.file, w.offset, w.len, PyBytes::new(py, &crcs))
+        })
+        .collect();
+    Ok((
+        written,
+        files.into_iter().map(|f| (f.path, f.size)).collect(),
+    ))
+}
+
+type PyChunk = (String, Vec<u64>, Vec<u64>, u32, u64, u64, Vec<u8>);
+
+/// Assembles a manifest, checks exact coverage of every tensor, commits it atomically into `dir`
+/// and removes data of earlier saves. `tensors` are `(key, dtype, shape, role, chunks)` with
+/// chunks `(kind, a, b, file, offset, nbytes, checksums_le_bytes)`.
+#[pyfunction]
+#[pyo3(signature = (dir, save_id, block_size, files, tensors, entries_json, info_json))]
+fn commit(
+    py: Python<'_>,
+    dir: PathBuf,
+    save_id: String,
+    block_size: u64,
+    files: Vec<(String, u64)>,
+    tensors: Vec<(String, String, Vec<u64>, String, Vec<PyChunk>)>,
+    entries_json: &str,
+    info_json: &str,
+) -> PyResult<PyManifest> {
+    let parse = |s: &str| {
+        serde_json::from_str(s).map_err(|e| CoreError::InvalidArgument(format!("bad JSON: {e}")))
+    };
+    let build = || -> core::Result<Manifest> {
+        let mut m = Manifest {
+            save_id,
+            block_size,
+            files: files
+                .into_iter()
+                .map(|(path, size)| core::FileEntry { path, size })
+                .collect(),
+            tensors: Vec::new(),
+            chunk_start: vec![0],
+            chunks: Vec::new(),
+            checksums: Vec::new(),
+            entries: parse(entries_json)?,
+            info: parse(info_json)?,
+        };
+        for (key, dtype, shape, role, chunks) in tensors {
+            let n = chunks.len();
+            for (kind, a, b, file, offset, len, crcs) in chunks {
+                let crc_index = m.checksums.len() as u64;
+                m.checksums.extend(
+                    crcs.chunks_exact(4)
+                        .map(|c| u32::from_le_bytes(c.try_into().unwrap())),
+                );
+                m.chunks.push(core::Chunk {
+                    region: region_from_py(&kind, a, b)?,
+                    file,
+                    offset,
+                    len,
+                    crc_index,
+                });
+            }
+            m.chunk_start.push(m.chunks.len());
+            m.tensors.push(core::TensorEntry {
+                key,
+                dtype,
+                shape,
+                role,
+                order: "row-major".into(),
+                chunks: n,
+            });
+        }
+        // Round-trip through the decoder: the same validation every reader applies.
+        let m = Manifest::decode(&m.encode(), &dir.join(core::MANIFEST_NAME))?;
+        core::check_manifest_coverage(&m)?;
+        m.commit(&dir)?;
+        core::remove_stale_data(&dir, &m)?;
+        Ok(m)
+    };
+    let d = dir.clone();
+    let m = detach(py, build)?;
+    Ok(PyManifest {
+        inner: Arc::new(m),
+        dir: d,
+    })
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyManifest>()?;
+    m.add_function(wrap_pyfunction!(write_chunks, m)?)?;
+    m.add_function(wrap_pyfunction!(commit, m)?)?;
+    m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
+    m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
+    m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
+    m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;
+    Ok(())
+}
