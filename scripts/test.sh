@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the environment, build, and run every test: Rust (fmt, clippy, unit and
+# property tests) and Python (pytest over real multi-process gloo groups).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/env.sh
+echo "[test] cargo fmt / clippy" >&2
+cargo fmt --all -- --check
+cargo clippy --release --all-targets -q -- -D warnings
+echo "[test] cargo test" >&2
+cargo test --release -q -p olmo-chunks-core
+echo "[test] ruff" >&2
+ruff check python tests benches examples
+echo "[test] pytest" >&2
+python -m pytest -q -p no:cacheprovider "$@"
