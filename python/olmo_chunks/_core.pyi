@@ -40,6 +40,9 @@ class Manifest:
     ) -> None: ...
 
 def flat_pieces(shape: list[int], start: int, len: int) -> list[Piece]: ...
+def box_overlaps(
+    tensors: list[tuple[int, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]],
+) -> list[list[tuple[int, int, list[int], list[int]]]]: ...
 def write_chunks(
     dir: str,
     rel_paths: list[str],

@@ -14,5 +14,5 @@ pub use error::{CoreError, Result};
 pub use io::{default_workers, read_into, verify_all, write_chunks, ByteCopy, WriteItem, Written};
 pub use load::{check_manifest_coverage, plan_copies, plan_runs, remove_stale_data, Target};
 pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};
-pub use plan::{check_coverage, Run, TensorPlanner};
+pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};

@@ -134,3 +134,110 @@ pub fn check_coverage(key: &str, shape: &[u64], chunks: &[Region]) -> Result<()>
     }
     Ok(())
 }
+
+/// A non-empty overlap of saved box `saved` and wanted box `wanted` of one tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Overlap {
+    pub saved: usize,
+    pub wanted: usize,
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+}
+
+/// Every non-empty overlap between `saved` and `wanted` boxes `(offsets, sizes)` of an `ndim`-d
+/// tensor, wanted box by wanted box and saved boxes ascending. Uses the band index, so regular
+/// layouts (1-D or 2-D grids of thousands of boxes) cost `O((S + W) log S + hits)`.
+pub fn box_overlaps(
+    ndim: usize,
+    saved: &[(Vec<u64>, Vec<u64>)],
+    wanted: &[(Vec<u64>, Vec<u64>)],
+) -> Result<Vec<Overlap>> {
+    for (side, boxes) in [("saved", saved), ("wanted", wanted)] {
+        for (i, (o, s)) in boxes.iter().enumerate() {
+            let fits = o.len() == ndim
+                && s.len() == ndim
+                && o.iter().zip(s).all(|(o, s)| o.checked_add(*s).is_some());
+            if !fits {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{side} box {i} ({o:?}+{s:?}) is not a {ndim}-d box"
+                )));
+            }
+        }
+    }
+    let index = BoxIndex::new(
+        ndim,
+        saved.iter().map(|(o, s)| (o.as_slice(), s.as_slice())),
+    );
+    let mut out = Vec::new();
+    for (w, (wo, ws)) in wanted.iter().enumerate() {
+        let mut hits = Vec::new();
+        index.query(wo, ws, |i| hits.push(i));
+        hits.sort_unstable();
+        for s in hits {
+            let (so, ss) = &saved[s];
+            if let Some((offsets, sizes)) = intersect_boxes(so, ss, wo, ws) {
+                out.push(Overlap {
+                    saved: s,
+                    wanted: w,
+                    offsets,
+                    sizes,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Brute force: every pair, intersected directly.
+    fn all_pairs(saved: &[(Vec<u64>, Vec<u64>)], wanted: &[(Vec<u64>, Vec<u64>)]) -> Vec<Overlap> {
+        let mut out = Vec::new();
+        for (w, (wo, ws)) in wanted.iter().enumerate() {
+            for (s, (so, ss)) in saved.iter().enumerate() {
+                if let Some((offsets, sizes)) = intersect_boxes(so, ss, wo, ws) {
+                    out.push(Overlap {
+                        saved: s,
+                        wanted: w,
+                        offsets,
+                        sizes,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn box_overlaps_match_all_pairs_on_grids() {
+        let grid = |rows: u64, cols: u64, h: u64, w: u64| {
+            let mut b = Vec::new();
+            for i in 0..rows {
+                for j in 0..cols {
+                    let (r0, c0) = ((i * h).min(13), (j * w).min(11));
+                    let (r1, c1) = (((i + 1) * h).min(13), ((j + 1) * w).min(11));
+                    b.push((vec![r0, c0], vec![r1 - r0, c1 - c0]));
+                }
+            }
+            b
+        };
+        let saved = grid(4, 3, 4, 4);
+        for wanted in [grid(2, 5, 7, 3), grid(13, 1, 1, 11), grid(1, 1, 13, 11)] {
+            assert_eq!(
+                box_overlaps(2, &saved, &wanted).unwrap(),
+                all_pairs(&saved, &wanted)
+            );
+        }
+    }
+
+    #[test]
+    fn box_overlaps_scalar_and_bad_boxes() {
+        let one = vec![(vec![], vec![])];
+        assert_eq!(box_overlaps(0, &one, &one).unwrap().len(), 1);
+        let bad = vec![(vec![u64::MAX], vec![2])];
+        assert!(box_overlaps(1, &bad, &bad).is_err());
+        assert!(box_overlaps(2, &one, &one).is_err());
+    }
+}

@@ -314,6 +314,30 @@ fn flat_pieces(py: Python<'_>, shape: Vec<u64>, start: u64, len: u64) -> PyResul
         .collect())
 }
 
+type PyBox = (Vec<u64>, Vec<u64>);
+
+/// Overlaps of saved and wanted boxes, one tensor per item of `tensors` (`(ndim, saved, wanted)`):
+/// per tensor, `(saved_index, wanted_index, offsets, sizes)` for every non-empty overlap, wanted
+/// box by wanted box, saved boxes ascending.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn box_overlaps(
+    py: Python<'_>,
+    tensors: Vec<(usize, Vec<PyBox>, Vec<PyBox>)>,
+) -> PyResult<Vec<Vec<(usize, usize, Vec<u64>, Vec<u64>)>>> {
+    detach(py, move || {
+        tensors
+            .iter()
+            .map(|(ndim, saved, wanted)| {
+                Ok(core::box_overlaps(*ndim, saved, wanted)?
+                    .into_iter()
+                    .map(|o| (o.saved, o.wanted, o.offsets, o.sizes))
+                    .collect())
+            })
+            .collect()
+    })
+}
+
 /// Writes chunks `(file_index, address, nbytes)` into fresh data files `rel_paths` under `dir`,
 /// fsyncs them, and returns `([(file, offset, nbytes, checksums)], [(path, size)])`.
 #[pyfunction]
@@ -445,6 +469,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(commit, m)?)?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;
