@@ -245,6 +245,7 @@ def load(
     *,
     process_group: dist.ProcessGroup | None = None,
     strict: bool = True,
+    partial: bool = False,
     roles: Mapping[str, str] | None = None,
     verify: bool = True,
     workers: int | None = None,
@@ -256,6 +257,10 @@ def load(
     (`verify`). Plain values are replaced. A model conversion (missing or extra keys, a shape,
     dtype or role mismatch) raises one `MismatchError` listing every mismatch; with `strict=False`
     what matches is loaded and the rest reported in the returned `LoadReport`.
+
+    `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,
+    the trainer state alone): checkpoint keys it lacks are not unexpected, while every key it has
+    is still checked as above.
     """
     group = Group(process_group)
 
@@ -283,7 +288,8 @@ def load(
             elif key not in entries:
                 report.missing.append(key) if key not in saved else report.mismatched.append(
                     f"{key}: a plain value here, a tensor in the checkpoint")
-        report.unexpected = sorted(k for k in (saved.keys() | entries.keys()) if k not in leaves)
+        if not partial:
+            report.unexpected = sorted(k for k in (saved.keys() | entries.keys()) if k not in leaves)
         if strict and not report.ok:
             raise MismatchError(
                 [f"{k}: missing from the checkpoint" for k in report.missing]
