@@ -1,0 +1,255 @@
+"""DTensor placements -> pieces of the global tensor, by hand and against torch on real gloo worlds."""
+
+import importlib
+import inspect
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from olmo_chunks.layout import Piece, dtensor_pieces, shard_pieces
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+from tests import world
+
+# A placement as plain data, so hypothesis can print and shrink it: ("R",), ("S", dim) or
+# ("SS", dim, split_factor).
+PlacementSpec = tuple
+
+
+def piece(global_offsets, sizes, local_offsets):
+    return Piece(tuple(global_offsets), tuple(sizes), tuple(local_offsets))
+
+
+def pieces_1d(shape, mesh_shape, placements):
+    """Pieces of a 1-d tensor at every mesh coordinate, as (global start, size, local start) lists."""
+    return {
+        coordinate: [
+            (p.global_offsets[0], p.sizes[0], p.local_offsets[0])
+            for p in shard_pieces(shape, mesh_shape, coordinate, placements)
+        ]
+        for coordinate in itertools.product(*map(range, mesh_shape))
+    }
+
+
+def test_uneven_shard_gives_torch_chunk_sizes():
+    assert pieces_1d((5,), (4,), [Shard(0)]) == {
+        (0,): [(0, 2, 0)],
+        (1,): [(2, 2, 0)],
+        (2,): [(4, 1, 0)],
+        (3,): [],
+    }
+
+
+def test_empty_shards_have_no_pieces():
+    assert pieces_1d((2,), (4,), [Shard(0)]) == {(0,): [(0, 1, 0)], (1,): [(1, 1, 0)], (2,): [], (3,): []}
+    assert shard_pieces((0, 3), (2,), (0,), [Shard(1)]) == []
+    assert shard_pieces((4, 0), (2,), (1,), [Replicate()]) == []
+
+
+def test_zero_dim_tensor_is_one_piece():
+    assert shard_pieces((), (2,), (1,), [Replicate()]) == [piece((), (), ())]
+    assert shard_pieces((), (), (), []) == [piece((), (), ())]
+
+
+def test_two_shards_on_one_dim_apply_left_to_right():
+    # 7 -> chunks of 4 and 3 on mesh dim 0, each chunked again on mesh dim 1.
+    assert pieces_1d((7,), (2, 2), [Shard(0), Shard(0)]) == {
+        (0, 0): [(0, 2, 0)],
+        (0, 1): [(2, 2, 0)],
+        (1, 0): [(4, 2, 0)],
+        (1, 1): [(6, 1, 0)],
+    }
+
+
+def test_strided_shard_matches_torch_docstring_example():
+    # torch's _StridedShard docstring: rows of an 8-row tensor on a (dp=2, tp=2) mesh.
+    got = pieces_1d((8,), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)])
+    assert got == {
+        (0, 0): [(0, 2, 0)],
+        (0, 1): [(4, 2, 0)],
+        (1, 0): [(2, 2, 0)],
+        (1, 1): [(6, 2, 0)],
+    }
+
+
+def test_uneven_strided_shard_splits_by_split_factor_first():
+    # 5 -> split_factor chunks [0, 3) and [3, 5), each then chunked in two.
+    assert pieces_1d((5,), (2,), [_StridedShard(0, split_factor=2)]) == {
+        (0,): [(0, 2, 0), (3, 1, 2)],
+        (1,): [(2, 1, 0), (4, 1, 1)],
+    }
+
+
+def test_strided_shard_with_split_factor_one_is_shard():
+    for c in range(3):
+        strided = shard_pieces((4, 7), (3,), (c,), [_StridedShard(1, split_factor=1)])
+        assert strided == shard_pieces((4, 7), (3,), (c,), [Shard(1)])
+
+
+def test_pieces_are_the_product_of_per_dim_intervals():
+    placements = [_StridedShard(1, split_factor=2), Shard(0)]
+    # Dim 1 holds [2, 3) and [5, 6) of columns [0, 3) and [3, 6); dim 0 holds rows [2, 4).
+    assert shard_pieces((4, 6), (2, 3), (1, 1), placements) == [
+        piece((2, 2), (2, 1), (0, 0)),
+        piece((2, 5), (2, 1), (0, 1)),
+    ]
+    # 4 rows in chunks of 2 leave nothing for coordinate 2 on dim 0.
+    assert shard_pieces((4, 6), (2, 3), (1, 2), placements) == []
+
+
+def test_negative_shard_dim_counts_from_the_end():
+    assert shard_pieces((3, 4), (2,), (1,), [Shard(-1)]) == [piece((0, 2), (3, 2), (0, 0))]
+
+
+def test_partial_is_refused():
+    with pytest.raises(ValueError, match="pending reduction"):
+        shard_pieces((4,), (2,), (0,), [Partial()])
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "coordinate", "placements"),
+    [
+        ((4,), (2,), (0,), [Shard(1)]),
+        ((4,), (2,), (2,), [Shard(0)]),
+        ((4,), (2, 2), (0,), [Shard(0), Shard(0)]),
+        ((4,), (2,), (0,), [Shard(0), Shard(0)]),
+    ],
+)
+def test_inconsistent_arguments_are_refused(shape, mesh_shape, coordinate, placements):
+    with pytest.raises(ValueError):
+        shard_pieces(shape, mesh_shape, coordinate, placements)
+
+
+# --- against torch on real gloo worlds ---
+
+WORLD_SIZES = (2, 4, 8)
+
+
+def mesh_shapes(world_size: int) -> list[tuple[int, ...]]:
+    """Every 1-, 2- and 3-d mesh shape with `world_size` devices."""
+    return [
+        shape
+        for ndim in (1, 2, 3)
+        for shape in itertools.product(range(1, world_size + 1), repeat=ndim)
+        if math.prod(shape) == world_size
+    ]
+
+
+def build_placement(spec: PlacementSpec):
+    if spec[0] == "R":
+        return Replicate()
+    if spec[0] == "S":
+        return Shard(spec[1])
+    return _StridedShard(spec[1], split_factor=spec[2])
+
+
+@st.composite
+def layouts(draw, world_size: int):
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+    mesh_shape = draw(st.sampled_from(mesh_shapes(world_size)))
+    choices = [("R",)]
+    choices += [("S", d) for d in range(ndim)]
+    choices += [("SS", d, sf) for d in range(ndim) for sf in (1, 2, 3)]
+    placements = draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    return shape, mesh_shape, tuple(placements)
+
+
+def box(offsets, sizes):
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+
+
+_HAS_SRC_DATA_RANK = "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+def distribute_and_check(shape, mesh_shape, placement_specs):
+    """On one rank: shard a known tensor with torch, check our pieces against the local shard."""
+    mesh = world.mesh(mesh_shape)
+    placements = [build_placement(p) for p in placement_specs]
+    full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    # Splitting locally keeps a refusal on one rank from stranding the others in a collective.
+    local_split = {"src_data_rank": None} if _HAS_SRC_DATA_RANK else {}
+    try:
+        dt = distribute_tensor(full, mesh, placements, **local_split)
+    except Exception as e:  # torch 2.6 refuses uneven _StridedShard, for one
+        return "refused", f"{type(e).__name__}: {e}"
+    local = dt.to_local()
+    pieces = dtensor_pieces(dt)
+    assert pieces == shard_pieces(shape, mesh_shape, mesh.get_coordinate(), placements)
+
+    covered_locally = torch.zeros(local.shape, dtype=torch.int64)
+    covered_globally = torch.zeros(shape, dtype=torch.int64)
+    for p in pieces:
+        assert all(p.sizes), f"empty piece {p}"
+        assert torch.equal(full[box(p.global_offsets, p.sizes)], local[box(p.local_offsets, p.sizes)]), p
+        covered_locally[box(p.local_offsets, p.sizes)] += 1
+        covered_globally[box(p.global_offsets, p.sizes)] += 1
+    assert bool((covered_locally == 1).all()), "pieces do not tile the local shard exactly once"
+    assert bool((covered_globally <= 1).all()), "pieces overlap in the global tensor"
+    return "ok", pieces
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_pieces_match_torch_shards(world_size, data):
+    shape, mesh_shape, placement_specs = data.draw(layouts(world_size))
+    results = world.run(world_size, distribute_and_check, shape, mesh_shape, placement_specs)
+    refused = [reason for status, reason in results if status == "refused"]
+    assert len(refused) in (0, world_size), f"torch refused on some ranks only: {refused}"
+    assume(not refused)
+
+    # Every element is held once per coordinate of the replicated mesh dims.
+    replicas = math.prod(n for n, p in zip(mesh_shape, placement_specs, strict=True) if p[0] == "R")
+    covered = torch.zeros(shape, dtype=torch.int64)
+    for _, pieces in results:
+        for p in pieces:
+            covered[box(p.global_offsets, p.sizes)] += 1
+    assert bool((covered == replicas).all())
+
+
+def shard_order_full_tensor():
+    """Shard dim 0 on mesh dim 1 before mesh dim 0 via shard_order; torch must gather it back."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
+
+    mesh = world.mesh((2, 2))
+    full = torch.arange(14).reshape(7, 2)
+    placements = (Shard(0), Shard(0))
+    ref = distribute_tensor(full, mesh, placements)
+    order = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)
+    spec = DTensorSpec(mesh, placements, tensor_meta=ref._spec.tensor_meta, shard_order=order)
+    # 7 rows: mesh dim 1 takes [0, 4) or [4, 7), mesh dim 0 then halves that.
+    row_starts = {(0, 0): (0, 2), (1, 0): (2, 2), (0, 1): (4, 2), (1, 1): (6, 1)}
+    start, rows = row_starts[tuple(mesh.get_coordinate())]
+    dt = DTensor(full[start : start + rows].clone(), spec, requires_grad=False)
+    assert dtensor_pieces(dt) == [piece((start, 0), (rows, 2), (0, 0))]
+    assert torch.equal(dt.full_tensor(), full)
+
+
+def test_dtensor_pieces_follow_shard_order():
+    if not hasattr(importlib.import_module("torch.distributed.tensor._dtensor_spec"), "ShardOrderEntry"):
+        pytest.skip("this torch has no DTensor shard_order")
+    world.run(4, shard_order_full_tensor)
+
+
+def pieces_outside_mesh():
+    """A rank outside the DTensor's mesh holds nothing."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    dt = distribute_tensor(torch.arange(6), mesh, [Shard(0)])
+    return dtensor_pieces(dt)
+
+
+def test_rank_outside_the_mesh_has_no_pieces():
+    assert world.run(4, pieces_outside_mesh) == [
+        [piece((0,), (3,), (0,))],
+        [piece((3,), (3,), (0,))],
+        [],
+        [],
+    ]
