@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 
 use crate::dtype::itemsize;
 use crate::error::{CoreError, Result};
@@ -49,7 +50,7 @@ pub struct Chunk {
     pub crc_index: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Meta {
     format: String,
     version: u32,
@@ -58,14 +59,12 @@ struct Meta {
     checksum: String,
     files: Vec<FileEntry>,
     tensors: Vec<TensorEntry>,
-    #[serde(default)]
-    entries: serde_json::Value,
-    #[serde(default)]
-    info: serde_json::Value,
+    entries: Box<RawValue>,
+    info: Box<RawValue>,
 }
 
 /// A decoded, validated manifest.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Manifest {
     pub save_id: String,
     pub block_size: u64,
@@ -75,10 +74,10 @@ pub struct Manifest {
     pub chunk_start: Vec<usize>,
     pub chunks: Vec<Chunk>,
     pub checksums: Vec<u32>,
-    /// Plain (non-tensor) values, tagged JSON owned by the Python layer.
-    pub entries: serde_json::Value,
-    /// Save topology and other information; never needed to load.
-    pub info: serde_json::Value,
+    /// Plain (non-tensor) values: a JSON object owned by the Python layer, kept verbatim.
+    pub entries: Box<RawValue>,
+    /// Save topology and other information (a JSON object, verbatim); never needed to load.
+    pub info: Box<RawValue>,
 }
 
 /// Number of checksum blocks of a chunk of `len` bytes.
@@ -208,6 +207,11 @@ impl Manifest {
                 "metadata says version {} but header says {version}",
                 meta.version
             )));
+        }
+        for (name, raw) in [("entries", &meta.entries), ("info", &meta.info)] {
+            if !raw.get().starts_with('{') {
+                return Err(bad(format!("{name} must be a JSON object")));
+            }
         }
         if meta.checksum != "crc32c" {
             return Err(bad(format!(

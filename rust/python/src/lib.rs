@@ -172,11 +172,11 @@ impl PyManifest {
     }
     #[getter]
     fn entries_json(&self) -> String {
-        self.inner.entries.to_string()
+        self.inner.entries.get().to_string()
     }
     #[getter]
     fn info_json(&self) -> String {
-        self.inner.info.to_string()
+        self.inner.info.get().to_string()
     }
     /// `(kind, a, b, file, offset, nbytes)` for each saved chunk of tensor `t`: kind "box" with
     /// offsets/sizes, or "flat" with `[start]`/`[len]`.
