@@ -138,6 +138,32 @@ def _prod(xs: Any) -> int:
     return n
 
 
+def commit_manifest(path: Path, save_id: str, block_size: int, schema: Mapping[str, tuple],
+                    all_written: list[list[tuple]], entries: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+    """Commits the manifest of a save: `schema` maps every key to `(dtype, shape, role)`,
+    `all_written` holds each rank's `_write` results, `entries` the encoded plain values, `info`
+    free-form information (creation time and torch version are added)."""
+    files: dict[str, int] = {}
+    file_sizes: dict[str, int] = {}
+    per_key: dict[str, list] = {k: [] for k in schema}
+    for rank_written in all_written:
+        for key, (kind, a, b), fname, fsize, offset, nbytes, crcs in rank_written:
+            fi = files.setdefault(fname, len(files))
+            file_sizes[fname] = fsize
+            per_key[key].append((kind, list(a), list(b), fi, offset, nbytes, crcs))
+    tensor_list = [(k, *schema[k][:3], per_key[k]) for k in sorted(schema)]
+    meta_info = {"created_unix": time.time(), "torch": torch.__version__, **info}
+    _core.commit(
+        str(path),
+        save_id,
+        block_size,
+        [(f, file_sizes[f]) for f in files],
+        tensor_list,
+        json.dumps(entries, allow_nan=False),
+        json.dumps(values.encode(meta_info, "info"), allow_nan=False),
+    )
+
+
 def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -181,33 +207,8 @@ def save(
     all_written = group.all_gather(written)
 
     def commit() -> None:
-        files: dict[str, int] = {}
-        per_key: dict[str, list] = {k: [] for k in schema}
-        for rank_written in all_written:
-            for key, (kind, a, b), fname, fsize, offset, nbytes, crcs in rank_written:
-                fi = files.setdefault(fname, len(files))
-                per_key[key].append((kind, list(a), list(b), fi, offset, nbytes, crcs))
-        file_sizes = {}
-        for rank_written in all_written:
-            for _, _, fname, fsize, *_ in rank_written:
-                file_sizes[fname] = fsize
-        tensor_list = [(k, *schema[k][:3], per_key[k]) for k in sorted(schema)]
-        meta_info = {
-            "writer": "olmo_chunks",
-            "created_unix": time.time(),
-            "world_size": group.size,
-            "torch": torch.__version__,
-            **(dict(info) if info else {}),
-        }
-        _core.commit(
-            str(path),
-            save_id,
-            block_size,
-            [(f, file_sizes[f]) for f in files],
-            tensor_list,
-            json.dumps(entries, allow_nan=False),
-            json.dumps(values.encode(meta_info, "info"), allow_nan=False),
-        )
+        commit_manifest(path, save_id, block_size, schema, all_written, entries,
+                        {"writer": "olmo_chunks", "world_size": group.size, **(dict(info) if info else {})})
 
     group.on_root(commit)
 
