@@ -1,0 +1,136 @@
+"""Full low-precision compute weights rebuilt from restored FP32 main-weight shards.
+
+The checkpoint holds FP32 main weights only; after a load each rank all-gathers its DP (dense
+DTensors) or EP-DP (expert flat views) shards into the compute weights it runs with. Shards are cast
+to the compute dtype (BF16 by default) before any collective, which halves the traffic. The
+collectives are plain `torch.distributed` ones on the shards' own groups: NCCL for CUDA tensors,
+gloo for CPU ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from .errors import InvalidArgumentError
+from .experts import ExpertFlatView
+from .layout import Piece, _application_order, _pieces
+
+__all__ = ["compute_weights", "dtensor_weight", "expert_weight", "full_weight"]
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` as a new contiguous tensor (never the main weight's own memory)."""
+    out = t.to(dtype).contiguous()
+    return out.clone() if out.data_ptr() == t.data_ptr() and out.numel() else out
+
+
+def _local_numel(pieces: Sequence[Piece]) -> int:
+    return sum(math.prod(p.sizes) for p in pieces)
+
+
+def _local_shape(pieces: Sequence[Piece], ndim: int) -> tuple[int, ...]:
+    if not pieces:
+        return (0,) * ndim
+    return tuple(max(p.local_offsets[i] + p.sizes[i] for p in pieces) for i in range(ndim))
+
+
+def _all_gather_padded(buf: torch.Tensor, sizes: Sequence[int],
+                       group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every peer's 1-D `buf` (peer `j` holds `sizes[j]` elements), via one all_gather of buffers
+    padded to the largest size."""
+    m = max(sizes)
+    if m == 0:
+        return [buf[:0] for _ in sizes]
+    if buf.numel() < m:
+        buf = torch.cat([buf, buf.new_zeros(m - buf.numel())])
+    out = [torch.empty(m, dtype=buf.dtype, device=buf.device) for _ in sizes]
+    dist.all_gather(out, buf, group=group)
+    return [o[:s] for o, s in zip(out, sizes, strict=True)]
+
+
+def dtensor_weight(dt: DTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The full tensor of `dt` in `dtype`, all-gathered over its sharded mesh dims only (replicated
+    dims need no traffic). Uneven Shard and _StridedShard layouts are handled."""
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise InvalidArgumentError("this rank is not in the DTensor's mesh")
+    placements = tuple(dt.placements)
+    if any(isinstance(p, Partial) for p in placements):
+        raise InvalidArgumentError(f"{placements}: a Partial DTensor is not a weight (reduce it first)")
+    shape = tuple(dt.shape)
+    mesh_shape = tuple(mesh.shape)
+    order = _application_order(placements, getattr(dt._spec, "shard_order", None))
+
+    def pieces(c: Sequence[int]) -> list[Piece]:
+        return _pieces(shape, mesh_shape, c, placements, order)
+
+    local = _cast(dt.to_local(), dtype)
+    if local.numel() != _local_numel(pieces(coord)):
+        raise InvalidArgumentError(
+            f"local shard has {local.numel()} elements, its placements {placements} say "
+            f"{_local_numel(pieces(coord))}")
+    sharded = [d for d, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        return local.reshape(shape)
+    held: list[tuple[tuple[int, ...], torch.Tensor]] = [(tuple(coord), local.reshape(-1))]
+    for d in sharded:
+        peers = [[(*c[:d], j, *c[d + 1 :]) for c, _ in held] for j in range(mesh_shape[d])]
+        sizes = [[_local_numel(pieces(c)) for c in cs] for cs in peers]
+        bufs = _all_gather_padded(torch.cat([t for _, t in held]), [sum(s) for s in sizes], mesh.get_group(d))
+        held = [(c, part) for cs, ss, buf in zip(peers, sizes, bufs, strict=True)
+                for c, part in zip(cs, torch.split(buf, ss), strict=True)]
+    out = torch.empty(shape, dtype=dtype, device=local.device)
+    for c, flat in held:
+        ps = pieces(c)
+        view = flat.reshape(_local_shape(ps, len(shape)))
+        for p in ps:
+            dst = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.sizes, strict=True))
+            src = tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))
+            out[dst] = view[src]
+    return out
+
+
+def expert_weight(view: ExpertFlatView, group: dist.ProcessGroup | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """This EP-MP rank's experts, shape `[num_local_experts, *expert_shape]` in `dtype`, gathered
+    over the EP-DP `group` when the flat storage is sharded there (replicas need no traffic)."""
+    lo = view.layout
+    local = _cast(view.local, dtype)
+    if lo.sharded and lo.ep_dp_size > 1:
+        if group is None:
+            raise InvalidArgumentError(f"{view}: sharded over EP-DP, so the EP-DP group is needed")
+        if dist.get_world_size(group) != lo.ep_dp_size or dist.get_rank(group) != lo.ep_dp_rank:
+            raise InvalidArgumentError(
+                f"{view}: the group has rank {dist.get_rank(group)} of {dist.get_world_size(group)}, "
+                f"the layout says EP-DP rank {lo.ep_dp_rank} of {lo.ep_dp_size}")
+        sizes = [b - a for a, b in (lo.block_range(d) for d in range(lo.ep_dp_size))]
+        local = torch.cat(_all_gather_padded(local, sizes, group))
+    return local.reshape(lo.num_local_experts, *lo.expert_shape)
+
+
+def full_weight(value: DTensor | ExpertFlatView | torch.Tensor, *,
+                ep_dp_group: dist.ProcessGroup | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The compute weight of one main weight: a DTensor gathered whole, an expert flat view
+    gathered to this EP-MP rank's experts, a plain tensor cast."""
+    if isinstance(value, DTensor):
+        return dtensor_weight(value, dtype)
+    if isinstance(value, ExpertFlatView):
+        return expert_weight(value, ep_dp_group, dtype)
+    if isinstance(value, torch.Tensor):
+        return _cast(value, dtype)
+    raise InvalidArgumentError(f"{type(value).__name__} is not a main weight")
+
+
+def compute_weights(main: Mapping[str, DTensor | ExpertFlatView | torch.Tensor], *,
+                    ep_dp_group: dist.ProcessGroup | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """`full_weight` of every main weight, by key (the same order on every rank: collective)."""
+    return {key: full_weight(v, ep_dp_group=ep_dp_group, dtype=dtype) for key, v in main.items()}
