@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ChecksumError",
     "CheckpointNotFoundError",
+    "ConversionError",
     "CorruptCheckpointError",
     "CorruptManifestError",
     "InvalidArgumentError",
@@ -73,6 +74,14 @@ class MismatchError(OlmoChunksError, ValueError):
         self.mismatches = list(mismatches)
         lines = "\n".join(f"  - {m}" for m in self.mismatches)
         super().__init__(f"{header} ({len(self.mismatches)} mismatch(es)):\n{lines}")
+
+
+class ConversionError(MismatchError):
+    """An export or import between the native checkpoint and another layout (e.g. Hugging Face)
+    cannot be done faithfully: unmapped, missing or nonfinite tensors, inconsistent shapes."""
+
+    def __init__(self, mismatches: list[str], *, header: str = "conversion refused") -> None:
+        super().__init__(mismatches, header=header)
 
 
 class RankFailedError(OlmoChunksError):
