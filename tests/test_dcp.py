@@ -1,0 +1,548 @@
+"""The DCP front door: ChunkStoreWriter / ChunkStoreReader / FastLoadPlanner and import-dcp, on
+real gloo worlds, against the native front door and against DCP's own planner and storage."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import olmo_chunks
+from olmo_chunks import _core, values
+from olmo_chunks.cli import main as cli_main
+from olmo_chunks.dcp import (
+    ChunkStoreReader,
+    ChunkStoreWriter,
+    FastLoadPlanner,
+    dcp_leaves,
+    group_entries,
+    import_dcp,
+    read_items_for_chunk_lists,
+)
+from olmo_chunks.errors import InvalidArgumentError, UnsupportedFormatError
+from olmo_chunks.shards import TensorShard
+from olmo_chunks.tree import flatten
+from tests import world
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+# ------------------------------------------------------------------------------------------------
+# Plain values: the DCP door groups them exactly as the native door does
+# ------------------------------------------------------------------------------------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                     st.text(max_size=4))
+_names = st.text("abcxyz_", min_size=1, max_size=3)
+
+
+def _tree(leaf):
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(st.lists(kids, max_size=3), st.tuples(kids, kids),
+                               st.dictionaries(_names, kids, max_size=3)),
+        max_leaves=8,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(_names, _tree(st.one_of(_scalars, st.just("TENSOR"))), min_size=1, max_size=4))
+def test_plain_values_are_grouped_like_the_native_door(raw):
+    """DCP flattens every mapping; the native door keeps tensor-free containers whole. Grouping the
+    DCP leaves gives the native entries, and expanding those gives the DCP leaves back."""
+
+    def tensors_in(v):
+        if v == "TENSOR":
+            return torch.zeros(1)
+        if isinstance(v, dict):
+            return {k: tensors_in(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [tensors_in(x) for x in v]
+        return v
+
+    sd = tensors_in(raw)
+    flat, paths = flatten_state_dict(sd)
+    tensor_keys = [k for k, v in flat.items() if isinstance(v, torch.Tensor)]
+    if any(isinstance(v, (tuple, list, dict)) and _has_tensor(v) for v in flat.values()):
+        return  # a tensor inside a tuple: DCP would pickle it, not a plain value
+    leaves = {k: values.encode(v, k) for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    grouped = group_entries(leaves, paths, tensor_keys)
+    native = {k: values.encode(leaf.value, k) for k, leaf in flatten(sd).items() if not leaf.is_tensor}
+    # A list emptied of everything DCP visits cannot be rebuilt; such values are not plain leaves.
+    if any(_has_empty_dict(v) for v in raw.values()):
+        return
+    assert grouped == native
+    back = {}
+    for key, enc in grouped.items():
+        for fqn, (path, v) in dcp_leaves(key, values.decode(enc)).items():
+            back[fqn] = (path, v)
+    assert {k: values.encode(v, k) for k, (_, v) in back.items()} == leaves
+    # object paths are known within an entry; the entry's own key is one opaque component
+    assert all(tuple(paths[k][-len(p) + 1:]) == p[1:] for k, (p, _) in back.items() if len(p) > 1)
+
+
+def _has_tensor(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_tensor(x) for x in v)
+    return False
+
+
+def _has_empty_dict(v) -> bool:
+    if isinstance(v, dict):
+        return not v or any(_has_empty_dict(x) for x in v.values())
+    if isinstance(v, list):
+        return any(_has_empty_dict(x) for x in v)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# FastLoadPlanner: the same read items as DCP's planner over random layouts
+# ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _tiling(draw, shape, max_depth=4):
+    """A random guillotine tiling of `shape` (grids and irregular layouts alike)."""
+
+    def split(off, size, depth):
+        if depth == 0 or not shape or draw(st.integers(0, 3)) == 0:
+            return [(off, size)]
+        d = draw(st.integers(0, len(shape) - 1))
+        if size[d] < 2:
+            return [(off, size)]
+        parts = sorted(set(draw(st.lists(st.integers(1, size[d] - 1), min_size=1, max_size=3))))
+        out, lo = [], 0
+        for hi in [*parts, size[d]]:
+            o, s = list(off), list(size)
+            o[d], s[d] = off[d] + lo, hi - lo
+            out += split(o, s, depth - 1)
+            lo = hi
+        return out
+
+    return split([0] * len(shape), list(shape), max_depth)
+
+
+@st.composite
+def _layout(draw):
+    shape = draw(st.lists(st.integers(1, 12), min_size=0, max_size=3))
+    saved = draw(_tiling(shape))
+    local = draw(_tiling(shape))
+    keep = draw(st.lists(st.booleans(), min_size=len(local), max_size=len(local)))
+    local = [b for b, k in zip(local, keep, strict=True) if k] or local[:1]
+    if shape and draw(st.booleans()):  # an empty local chunk, as uneven DTensor shards give
+        local.append(([shape[0]] + [0] * (len(shape) - 1), [0] * len(shape)))
+    return shape, saved, local
+
+
+def _chunks(boxes):
+    return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes]
+
+
+def _item_key(r):
+    return (r.type, r.dest_index.fqn, tuple(r.dest_index.offset or ()), r.dest_index.index, tuple(r.dest_offsets),
+            r.storage_index.fqn, tuple(r.storage_index.offset or ()), r.storage_index.index,
+            tuple(r.storage_offsets), tuple(r.lengths))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_layout(), min_size=1, max_size=3))
+def test_fast_read_items_equal_dcp_read_items(layouts):
+    batch, expected = [], []
+    for i, (shape, saved, local) in enumerate(layouts):
+        md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), _chunks(saved))
+        expected.append(sorted(map(_item_key, create_read_items_for_chunk_list(f"t{i}", md, _chunks(local)))))
+        batch.append((f"t{i}", torch.Size(shape), _chunks(saved), _chunks(local)))
+    got = [sorted(map(_item_key, items)) for items in read_items_for_chunk_lists(batch)]
+    assert got == expected
+
+
+def test_fast_read_items_on_a_large_2d_grid():
+    """A 64x64 saved grid read by a 48x40 grid: the index finds every overlap (an all-pairs oracle
+    over 4096 x 1920 boxes is DCP's own sweep, which is what this replaces)."""
+    n = 768
+
+    def grid(r, c):
+        return [([i * n // r, j * n // c], [(i + 1) * n // r - i * n // r, (j + 1) * n // c - j * n // c])
+                for i in range(r) for j in range(c)]
+
+    saved, local = _chunks(grid(64, 64)), _chunks(grid(48, 40)[::97])
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n, n]), saved)
+    expected = sorted(map(_item_key, create_read_items_for_chunk_list("w", md, local)))
+    (got,) = read_items_for_chunk_lists([("w", torch.Size([n, n]), saved, local)])
+    assert sorted(map(_item_key, got)) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-rank: one format, two front doors
+# ------------------------------------------------------------------------------------------------
+
+
+def _full(shape, dtype, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-(2**40), 2**40, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+# key -> (shape, dtype, seed); layouts say how each rank holds it.
+TENSORS = {
+    "model.w": ((10, 6), torch.float32, 1),
+    "model.m": ((7, 9), torch.bfloat16, 2),
+    "model.r": ((5,), torch.int64, 3),
+    "model.s": ((), torch.float32, 4),
+    "optim.state.w.exp_avg": ((10, 6), torch.float32, 5),
+}
+
+SAVE_LAYOUT = {  # on 4 ranks
+    "model.w": ((4,), [Shard(0)]),
+    "model.m": ((2, 2), [Shard(0), Shard(1)]),
+    "model.r": None,
+    "model.s": None,
+    "optim.state.w.exp_avg": ((2, 2), [Shard(1), Replicate()]),
+}
+LOAD_LAYOUT = {  # on 3 ranks
+    "model.w": ((3,), [Shard(1)]),
+    "model.m": ((3,), [Shard(0)]),
+    "model.r": ((3,), [Shard(0)]),
+    "model.s": None,
+    "optim.state.w.exp_avg": ((3,), [Replicate()]),
+}
+
+
+def _state(layout, fill: bool) -> dict:
+    sd: dict = {"model": {}, "optim": {"state": {"w": {}}}}
+    for key, (shape, dtype, seed) in TENSORS.items():
+        full = _full(shape, dtype, seed)
+        if not fill:
+            full = torch.zeros_like(full)
+        spec = layout[key]
+        value = full if spec is None else distribute_tensor(full, world.mesh(spec[0]), spec[1], src_data_rank=None)
+        *parents, leaf = key.split(".")
+        node = sd
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    sd["optim"]["param_groups"] = [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}] if fill else [
+        {"lr": 0.0, "betas": (0.0, 0.0), "params": []}]
+    sd["step"] = 7 if fill else 0
+    sd["meta"] = {"name": "run", "seeds": [1, 2, 3]} if fill else {"name": "", "seeds": []}
+    return sd
+
+
+def _wrong(sd) -> list[str]:
+    """Keys of `sd` that differ from the reference data (bit-exact) or plain values."""
+    bad = []
+    for key, (shape, dtype, seed) in TENSORS.items():
+        node = sd
+        for p in key.split("."):
+            node = node[p]
+        full = _full(shape, dtype, seed)
+        if isinstance(node, DTensor):
+            want = distribute_tensor(full, node.device_mesh, node.placements, src_data_rank=None).to_local()
+            got = node.to_local()
+        else:
+            want, got = full, node
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            bad.append(key)
+    if sd["optim"]["param_groups"] != [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]:
+        bad.append(f"param_groups={sd['optim']['param_groups']}")
+    if sd["step"] != 7 or sd["meta"] != {"name": "run", "seeds": [1, 2, 3]}:
+        bad.append(f"plain={sd['step']}, {sd['meta']}")
+    return bad
+
+
+def dcp_save_worker(path: str) -> None:
+    dcp.save(_state(SAVE_LAYOUT, True), storage_writer=ChunkStoreWriter(path))
+
+
+def load_both_doors_worker(path: str) -> dict[str, list[str]]:
+    out = {}
+    sd = _state(LOAD_LAYOUT, False)
+    olmo_chunks.load(sd, path)
+    out["native"] = _wrong(sd)
+    for name, planner in (("dcp-default", None), ("dcp-fast", FastLoadPlanner())):
+        sd = _state(LOAD_LAYOUT, False)
+        dcp.load(sd, storage_reader=ChunkStoreReader(path), planner=planner)
+        out[name] = _wrong(sd)
+    return out
+
+
+def native_save_worker(path: str) -> None:
+    olmo_chunks.save(_state(SAVE_LAYOUT, True), path)
+
+
+def test_dcp_save_loads_through_both_doors_resharded(tmp_path):
+    path = str(tmp_path / "ckpt")
+    world.run(4, dcp_save_worker, path)
+    m = _core.Manifest.open(path)
+    roles = {key: role for key, _, _, role, _, _ in m.tensors}
+    assert roles == {"model.w": "main_weight", "model.m": "main_weight", "model.r": "tensor",
+                     "model.s": "main_weight", "optim.state.w.exp_avg": "exp_avg"}
+    # replicated chunks are written once: exact coverage holds, so nothing is duplicated
+    m.check_coverage()
+    assert sorted(f for f, _ in m.files) == [f"data/{m.save_id}/rank-{r:05d}.bin" for r in range(4)]
+    for result in world.run(3, load_both_doors_worker, path):
+        assert result == {"native": [], "dcp-default": [], "dcp-fast": []}
+
+
+def test_native_save_loads_through_the_dcp_door(tmp_path):
+    path = str(tmp_path / "ckpt")
+    world.run(4, native_save_worker, path)
+    for result in world.run(3, load_both_doors_worker, path):
+        assert result == {"native": [], "dcp-default": [], "dcp-fast": []}
+
+
+def test_cli_inspects_and_verifies_both_formats(tmp_path, capsys):
+    a, b = str(tmp_path / "dcp"), str(tmp_path / "native")
+    world.run(4, dcp_save_worker, a)
+    world.run(4, native_save_worker, b)
+    for path in (a, b):
+        assert cli_main(["verify", path]) == 0
+        assert cli_main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert out.count("exact coverage") == 2 and "optim.state.w.exp_avg" in out
+
+
+class _FlatHalves:
+    """A ChunkSource holding flat ranges of the canonical order (as expert flat views do)."""
+
+    def __init__(self, full: torch.Tensor, rank: int, size: int) -> None:
+        n = full.numel()
+        self.start, self.stop = rank * n // size, (rank + 1) * n // size
+        self.full_shape, self.local = tuple(full.shape), full.reshape(-1)[self.start:self.stop].clone()
+
+    def tensor_shard(self) -> TensorShard:
+        return TensorShard(self.local.dtype, self.full_shape, self.local, [],
+                           [(self.start, self.stop - self.start, 0)])
+
+
+def flat_save_worker(path: str) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    olmo_chunks.save({"experts.w1": _FlatHalves(_full((5, 7, 3), torch.float32, 9), rank, size)}, path)
+
+
+def flat_dcp_load_worker(path: str) -> bool:
+    full = _full((5, 7, 3), torch.float32, 9)
+    mesh = world.mesh((3,))
+    ok = True
+    for placements in ([Shard(1)], [Shard(2)], [Replicate()]):
+        for planner in (None, FastLoadPlanner()):
+            dt = distribute_tensor(torch.zeros_like(full), mesh, placements, src_data_rank=None)
+            dcp.load({"experts": {"w1": dt}}, storage_reader=ChunkStoreReader(path), planner=planner)
+            want = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+            ok &= torch.equal(dt.to_local(), want)
+    return ok
+
+
+def test_flat_range_chunks_load_through_the_dcp_door(tmp_path):
+    """Flat ranges are presented to DCP as the boxes they decompose into."""
+    path = str(tmp_path / "ckpt")
+    world.run(2, flat_save_worker, path)
+    kinds = {c[0] for c in _core.Manifest.open(path).chunks(0)}
+    assert kinds == {"flat"}
+    assert world.run(3, flat_dcp_load_worker, path) == [True, True, True]
+
+
+def async_and_id_worker(root: str) -> list[bool]:
+    out = []
+    sd = _state(SAVE_LAYOUT_2, True)
+    fut = dcp.async_save(sd, checkpoint_id=f"{root}/a", storage_writer=ChunkStoreWriter())
+    fut.result()
+    writer = ChunkStoreWriter(f"{root}/unused")
+    dcp.save(sd, checkpoint_id=f"{root}/b", storage_writer=writer)
+    for sub in ("a", "b"):
+        back = _state(SAVE_LAYOUT_2, False)
+        dcp.load(back, checkpoint_id=f"{root}/{sub}", storage_reader=ChunkStoreReader())
+        out.append(_wrong(back) == [])
+    # saving again into the same directory replaces the checkpoint and removes the old data
+    dcp.save(sd, storage_writer=ChunkStoreWriter(f"{root}/b"))
+    dist.barrier()
+    out.append(len(os.listdir(f"{root}/b/data")) == 1)
+    return out
+
+
+SAVE_LAYOUT_2 = {
+    "model.w": ((2,), [Shard(1)]),
+    "model.m": ((2,), [Shard(0)]),
+    "model.r": None,
+    "model.s": None,
+    "optim.state.w.exp_avg": ((2,), [Replicate()]),
+}
+
+
+def test_async_save_and_checkpoint_id(tmp_path):
+    assert world.run(2, async_and_id_worker, str(tmp_path)) == [[True, True, True]] * 2
+    assert ChunkStoreReader.validate_checkpoint_id(tmp_path / "a")
+    assert not ChunkStoreReader.validate_checkpoint_id(tmp_path / "nothing")
+    assert ChunkStoreWriter.validate_checkpoint_id(tmp_path / "new")
+
+
+class Opaque:
+    pass
+
+
+def test_non_plain_values_are_refused_on_save(tmp_path):
+    sd = {"w": torch.ones(3), "obj": Opaque()}
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(sd, storage_writer=ChunkStoreWriter(tmp_path / "x"), no_dist=True)
+    assert [type(exc) for exc, _ in info.value.failures.values()] == [InvalidArgumentError]
+    assert not (tmp_path / "x" / _core.MANIFEST_NAME).exists()
+
+
+def test_dtype_conversion_and_noncontiguous_destinations(tmp_path):
+    """DCP copies with conversion: a bf16 destination of an fp32 checkpoint, and a transposed one."""
+    full = _full((6, 4), torch.float32, 11)
+    dcp.save({"w": full, "v": full}, storage_writer=ChunkStoreWriter(tmp_path), no_dist=True)
+    w = torch.zeros(6, 4, dtype=torch.bfloat16)
+    v = torch.zeros(4, 6).t()
+    dcp.load({"w": w, "v": v}, storage_reader=ChunkStoreReader(tmp_path), planner=FastLoadPlanner(), no_dist=True)
+    assert torch.equal(w, full.to(torch.bfloat16)) and torch.equal(v, full)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 + AdamW through DCP's state-dict helpers: save on 4, load on 2 and 3, train on
+# ------------------------------------------------------------------------------------------------
+
+
+def _fsdp_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 6))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _fsdp_step(model, optim, step: int) -> None:
+    """One step on this rank's share of a global batch of 12 (same data on any world size)."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(12, 12, generator=g), torch.randn(12, 6, generator=g)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * 12 // size, (rank + 1) * 12 // size
+    loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _full_state(model, optim) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    out = {f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in msd.items()}
+    for fqn, state in osd["state"].items():
+        for k, v in state.items():
+            out[f"optim.{fqn}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return out
+
+
+def fsdp_save_worker(path: str) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = _fsdp_model(world.mesh((dist.get_world_size(),)))
+    for step in range(2):
+        _fsdp_step(model, optim, step)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=ChunkStoreWriter(path))
+    saved = _full_state(model, optim)
+    _fsdp_step(model, optim, 2)
+    return saved, _full_state(model, optim)
+
+
+def fsdp_load_worker(path: str, fast: bool) -> tuple[dict, dict, list]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = _fsdp_model(world.mesh((dist.get_world_size(),)))
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=ChunkStoreReader(path), planner=FastLoadPlanner() if fast else None)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_state(model, optim)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.state_dict()["param_groups"]]
+    _fsdp_step(model, optim, 2)
+    return loaded, _full_state(model, optim), groups
+
+
+def test_fsdp2_adamw_save_on_4_load_on_2_and_3(tmp_path):
+    path = str(tmp_path / "fsdp")
+    saved, after = world.run(4, fsdp_save_worker, path)[0]
+    assert any(k.endswith("exp_avg_sq") for k in saved) and any(k.endswith(".step") for k in saved)
+    roles = {key: role for key, _, _, role, _, _ in _core.Manifest.open(path).tensors}
+    assert {roles[k] for k in roles if k.endswith(".exp_avg_sq")} == {"exp_avg_sq"}
+    for n, fast in ((2, True), (3, False)):
+        loaded, trained, groups = world.run(n, fsdp_load_worker, path, fast)[0]
+        assert loaded.keys() == saved.keys()
+        for k in saved:
+            assert loaded[k].dtype == saved[k].dtype and torch.equal(loaded[k], saved[k]), k
+        assert groups[0]["lr"] == 1e-2 and groups[0]["weight_decay"] == 0.1
+        # the next step matches the uninterrupted run (up to the reduction order of the new world)
+        for k in after:
+            torch.testing.assert_close(trained[k], after[k], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# import-dcp
+# ------------------------------------------------------------------------------------------------
+
+
+def fs_save_worker(path: str) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp.save(_state(SAVE_LAYOUT_2, True), storage_writer=FileSystemWriter(path))
+
+
+def native_load_worker(path: str) -> list[str]:
+    sd = _state(LOAD_LAYOUT, False)
+    olmo_chunks.load(sd, path)
+    return _wrong(sd)
+
+
+def test_import_dcp_streams_and_verifies(tmp_path, capsys):
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / "store")
+    world.run(2, fs_save_worker, src)
+    assert cli_main(["import-dcp", src, dst, "--batch-mb", "0"]) == 0
+    assert "exact coverage" in capsys.readouterr().out
+    m = _core.Manifest.open(dst)
+    assert len(m.files) == m.num_chunks  # --batch-mb 0: one saved item staged at a time
+    assert world.run(3, native_load_worker, dst) == [[], [], []]
+    assert world.run(3, load_both_doors_worker, dst) == [{"native": [], "dcp-default": [], "dcp-fast": []}] * 3
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_import_dcp_refuses_foreign_pickles(tmp_path):
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    md = (src / ".metadata").read_bytes()
+    (src / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(UnsupportedFormatError):
+        import_dcp(src, tmp_path / "out")
+    (src / ".metadata").write_bytes(md)
+    assert import_dcp(src, tmp_path / "out")["tensors"] == 1
+    # a non-tensor value pickled by DCP that is not plain data is refused, not unpickled
+    src2 = tmp_path / "dcp2"
+    dcp.save({"w": torch.ones(3), "obj": Opaque()}, storage_writer=dcp.FileSystemWriter(src2), no_dist=True)
+    with pytest.raises(InvalidArgumentError, match="obj"):
+        import_dcp(src2, tmp_path / "out2")
+    assert not Path(tmp_path / "out2" / _core.MANIFEST_NAME).exists()
