@@ -185,6 +185,9 @@ impl Manifest {
         if crc32c::crc32c(&bytes[0..44]) != u32_at(44) {
             return Err(bad("header checksum mismatch".into()));
         }
+        if u32_at(12) != 0 || bytes[48..HEADER_LEN].iter().any(|&b| b != 0) {
+            return Err(bad("unknown flags or non-zero reserved header bytes".into()));
+        }
         let (meta_len, table_len, crc_len) = (u64_at(16), u64_at(24), u64_at(32));
         let expected = [meta_len, table_len, crc_len]
             .iter()

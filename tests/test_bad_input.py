@@ -1,0 +1,313 @@
+"""Every bad input gets a clear exception from olmo_chunks.errors, and nothing saved is lost."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import olmo_chunks
+from olmo_chunks import _core, checkpoint
+from olmo_chunks.errors import (
+    ChecksumError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    CorruptManifestError,
+    InvalidArgumentError,
+    MismatchError,
+    MissingDataFileError,
+    OlmoChunksError,
+    RankFailedError,
+    TruncatedDataError,
+    UnsupportedFormatError,
+)
+from tests import world
+from tests.manifest_bytes import RawManifest, crc32c
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g).bfloat16()},
+        "optim": {"w": {"exp_avg": torch.randn(64, 33, generator=g), "step": torch.tensor(7.0)}},
+        "step": 10 + seed,
+    }
+
+
+def zeros_like_state(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        out[k] = zeros_like_state(v) if isinstance(v, dict) else torch.zeros_like(v) if torch.is_tensor(v) else None
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_same(a[k], b[k])
+        elif torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    olmo_chunks.save(state(), path, block_size=4096)
+    return path
+
+
+def manifest_path(path: Path) -> Path:
+    return path / olmo_chunks.MANIFEST_NAME
+
+
+def data_file(path: Path) -> Path:
+    (rel, _), = _core.Manifest.open(str(path)).files
+    return path / rel
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    raw = RawManifest.parse(manifest_path(path).read_bytes())
+    edit(raw)
+    manifest_path(path).write_bytes(raw.encode())
+
+
+def test_crc32c_matches_the_standard_check_value():
+    assert crc32c(b"123456789") == 0xE3069283
+
+
+def test_round_trip(ckpt: Path):
+    sd = zeros_like_state(state())
+    olmo_chunks.load(sd, ckpt)
+    assert_same(sd, state())
+
+
+def test_flipped_data_byte_is_a_checksum_error_naming_tensor_and_chunk(ckpt: Path):
+    f = data_file(ckpt)
+    data = bytearray(f.read_bytes())
+    data[100] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r'tensor "[^"]+" chunk 0'):
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+    # The unverified path reads the damaged bytes; that is what verify=False means.
+    olmo_chunks.load(zeros_like_state(state()), ckpt, verify=False)
+
+
+def test_truncated_data_file(ckpt: Path):
+    f = data_file(ckpt)
+    os.truncate(f, f.stat().st_size - 10)
+    with pytest.raises(TruncatedDataError, match="truncated"):
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+
+
+def test_missing_data_file(ckpt: Path):
+    data_file(ckpt).unlink()
+    with pytest.raises(MissingDataFileError) as info:
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, CorruptCheckpointError)
+
+
+def test_missing_manifest_nonexistent_path_and_file_path(ckpt: Path, tmp_path: Path):
+    manifest_path(ckpt).unlink()
+    with pytest.raises(CheckpointNotFoundError, match="no committed manifest"):
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+    with pytest.raises(CheckpointNotFoundError, match="no such directory"):
+        olmo_chunks.load({}, tmp_path / "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointNotFoundError, match="not a directory"):
+        olmo_chunks.load({}, tmp_path / "file")
+
+
+@pytest.mark.parametrize("where", [0, 20, 50, 70, -3])
+def test_corrupt_manifest_bytes(ckpt: Path, where: int):
+    data = bytearray(manifest_path(ckpt).read_bytes())
+    data[where] ^= 0x40
+    manifest_path(ckpt).write_bytes(bytes(data))
+    with pytest.raises(CorruptManifestError):
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+
+
+def test_truncated_and_empty_manifest(ckpt: Path):
+    data = manifest_path(ckpt).read_bytes()
+    for cut in (0, 10, 64, len(data) - 1):
+        manifest_path(ckpt).write_bytes(data[:cut])
+        with pytest.raises(CorruptManifestError):
+            _core.Manifest.open(str(ckpt))
+
+
+def test_newer_format_version_is_refused_clearly(ckpt: Path):
+    rewrite_manifest(ckpt, lambda raw: setattr(raw, "version", olmo_chunks.FORMAT_VERSION + 1))
+    with pytest.raises(UnsupportedFormatError, match="format version 2 is not supported"):
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+
+
+@pytest.mark.parametrize("bad", ["../outside.bin", "/etc/passwd", "data/../../x.bin", ""])
+def test_data_file_outside_the_checkpoint_is_refused(ckpt: Path, bad: str):
+    def edit(raw: RawManifest) -> None:
+        raw.meta["files"][0]["path"] = bad
+
+    rewrite_manifest(ckpt, edit)
+    with pytest.raises(CorruptManifestError, match="outside the checkpoint directory"):
+        olmo_chunks.load(zeros_like_state(state()), ckpt)
+
+
+def test_chunk_outside_its_file_is_refused(ckpt: Path):
+    def edit(raw: RawManifest) -> None:
+        raw.meta["files"][0]["size"] = 100
+
+    rewrite_manifest(ckpt, edit)
+    with pytest.raises(CorruptManifestError, match="outside its file"):
+        _core.Manifest.open(str(ckpt))
+
+
+@pytest.mark.parametrize("shape", [[2**40, 2**40], [2**62, 8], [2**63, 2**63, 2**63]])
+def test_absurd_shapes_are_refused(ckpt: Path, shape: list[int]):
+    def edit(raw: RawManifest) -> None:
+        t = next(t for t in raw.meta["tensors"] if t["key"] == "model.w")
+        t["shape"] = shape
+
+    rewrite_manifest(ckpt, edit)
+    with pytest.raises(CorruptManifestError, match="overflow"):
+        _core.Manifest.open(str(ckpt))
+
+
+def test_region_outside_its_tensor_is_refused(ckpt: Path):
+    def edit(raw: RawManifest) -> None:
+        t = next(t for t in raw.meta["tensors"] if t["key"] == "model.w")
+        t["shape"] = [32, 33]
+
+    rewrite_manifest(ckpt, edit)
+    with pytest.raises(CorruptManifestError, match="exceeds dim 0"):
+        _core.Manifest.open(str(ckpt))
+
+
+def test_every_error_is_an_olmo_chunks_error():
+    for cls in (ChecksumError, CheckpointNotFoundError, CorruptManifestError, InvalidArgumentError,
+                MismatchError, MissingDataFileError, RankFailedError, TruncatedDataError, UnsupportedFormatError):
+        assert issubclass(cls, OlmoChunksError)
+
+
+def test_model_conversion_lists_every_mismatch(ckpt: Path):
+    sd = zeros_like_state(state())
+    sd["model"]["w"] = torch.zeros(65, 33)  # shape
+    sd["model"]["b"] = torch.zeros(33)  # dtype
+    del sd["optim"]["w"]["step"]  # extra in the checkpoint
+    sd["model"]["new"] = torch.zeros(3)  # missing from the checkpoint
+    with pytest.raises(MismatchError) as info:
+        olmo_chunks.load(sd, ckpt)
+    lines = info.value.mismatches
+    assert len(lines) == 4, lines
+    text = "\n".join(lines)
+    for needle in ("model.w: checkpoint has dtype=float32 shape=(64, 33)", "model.b: checkpoint has dtype=bfloat16",
+                   "optim.w.step: in the checkpoint but not", "model.new: missing from the checkpoint"):
+        assert needle in text
+    # strict=False loads what matches and reports the rest.
+    report = olmo_chunks.load(sd, ckpt, strict=False)
+    assert report.loaded == ["optim.w.exp_avg", "step"]
+    assert report.missing == ["model.new"] and report.unexpected == ["optim.w.step"]
+    assert len(report.mismatched) == 2
+    assert torch.equal(sd["optim"]["w"]["exp_avg"], state()["optim"]["w"]["exp_avg"])
+    assert sd["model"]["w"].abs().sum() == 0
+
+
+def test_role_mismatch_is_a_conversion(ckpt: Path):
+    sd = zeros_like_state(state())
+    with pytest.raises(MismatchError, match="role=exp_avg"):
+        olmo_chunks.load(sd, ckpt, roles={"model.w": "exp_avg"})
+
+
+def test_unsupported_values_are_refused_with_their_key(tmp_path: Path):
+    with pytest.raises(InvalidArgumentError, match="'cfg.fn': values of type function"):
+        olmo_chunks.save({"w": torch.zeros(2), "cfg": {"fn": lambda: 0}}, tmp_path / "x")
+    assert not (tmp_path / "x" / olmo_chunks.MANIFEST_NAME).exists()
+    with pytest.raises(InvalidArgumentError, match="object arrays"):
+        olmo_chunks.save({"a": np.array([object()])}, tmp_path / "y")
+
+
+def test_saving_onto_a_file_is_refused(tmp_path: Path):
+    (tmp_path / "f").write_text("keep me")
+    with pytest.raises(InvalidArgumentError, match="not a directory"):
+        olmo_chunks.save(state(), tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "keep me"
+
+
+def test_destinations_sharing_memory_are_refused(ckpt: Path):
+    sd = zeros_like_state(state())
+    sd["optim"]["w"]["exp_avg"] = sd["model"]["w"]  # the same tensor twice
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        olmo_chunks.load(sd, ckpt)
+
+
+def test_plain_values_round_trip_exactly(tmp_path: Path):
+    plain = {"big": 2**80, "neg": -(2**70), "nan": float("nan"), "inf": float("-inf"), "t": (1, "a", None),
+             "b": b"\x00\xff", "n": {"$x": 1, 3: [True, 0.1]}, "arr": np.arange(6, dtype=np.uint16).reshape(2, 3)}
+    olmo_chunks.save({"w": torch.zeros(1), "plain": plain}, tmp_path / "p")
+    sd = {"w": torch.zeros(1), "plain": None}
+    olmo_chunks.load(sd, tmp_path / "p")
+    got = sd["plain"]
+    assert got.keys() == plain.keys()
+    assert got["big"] == 2**80 and got["neg"] == -(2**70) and np.isnan(got["nan"]) and got["inf"] == float("-inf")
+    assert got["t"] == (1, "a", None) and got["b"] == b"\x00\xff" and got["n"] == {"$x": 1, 3: [True, 0.1]}
+    assert got["arr"].dtype == np.uint16 and (got["arr"] == plain["arr"]).all()
+
+
+def test_failed_commit_keeps_the_previous_checkpoint(ckpt: Path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(checkpoint._core, "commit", boom)
+    with pytest.raises(OSError, match="simulated"):
+        olmo_chunks.save(state(seed=1), ckpt)
+    monkeypatch.undo()
+    sd = zeros_like_state(state())
+    olmo_chunks.load(sd, ckpt)
+    assert_same(sd, state())
+    # The next successful save replaces it and removes the orphaned data of the failed one.
+    olmo_chunks.save(state(seed=2), ckpt)
+    sd = zeros_like_state(state())
+    olmo_chunks.load(sd, ckpt)
+    assert_same(sd, state(seed=2))
+    assert len(os.listdir(ckpt / "data")) == 1
+
+
+def save_failing_on_rank(path: str, bad_rank: int, seed: int) -> str:
+    import torch.distributed as dist
+
+    sd = state(seed)
+    if dist.get_rank() == bad_rank:
+        real = checkpoint._write
+
+        def failing(*args, **kwargs):
+            real(*args, **kwargs)
+            raise OSError("write failed (simulated)")
+
+        checkpoint._write = failing
+    try:
+        olmo_chunks.save(sd, path)
+        return "saved"
+    except OlmoChunksError as exc:
+        return type(exc).__name__
+    except OSError as exc:
+        return f"OSError: {exc}"
+    finally:
+        checkpoint._write = real if dist.get_rank() == bad_rank else checkpoint._write
+
+
+def load_state(path: str, seed: int) -> bool:
+    sd = zeros_like_state(state())
+    olmo_chunks.load(sd, path)
+    want = state(seed)
+    return all(torch.equal(sd["model"][k], want["model"][k]) for k in ("w", "b")) and sd["step"] == want["step"]
+
+
+def test_failure_on_one_rank_fails_every_rank_and_keeps_the_old_checkpoint(tmp_path: Path):
+    path = str(tmp_path / "ckpt")
+    assert world.run(3, save_failing_on_rank, path, -1, 0) == ["saved"] * 3
+    results = world.run(3, save_failing_on_rank, path, 1, 5)
+    assert results == ["RankFailedError", "OSError: write failed (simulated)", "RankFailedError"]
+    assert world.run(3, load_state, path, 0) == [True] * 3
