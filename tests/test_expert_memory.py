@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import olmo_chunks as oc
+import pytest
 import torch
 import torch.distributed as dist
 from olmo_chunks import _core
@@ -80,3 +82,16 @@ def test_saving_experts_does_not_grow_peak_rss(tmp_path):
     assert r["storage"] == mib * 2**20
     assert r["view"] < r["storage"] // 16, r  # no copy of the expert storage
     assert r["copy"] > r["storage"] // 2, r  # the probe does see a copy when there is one
+
+
+def test_gpu_memory_check_script_runs(tmp_path):
+    """The lent-GPU script works end to end; here (no CUDA) as its CPU dry run."""
+    out = tmp_path / "report.json"
+    script = Path(__file__).resolve().parent.parent / "benches" / "gpu_memory_check.py"
+    args = ["--cpu", "--gib", "0.01", "--experts", "8", "--json", str(out)]
+    subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                   check=True)
+    r = json.loads(out.read_text())
+    assert r["load_exact"] is True
+    assert {"before_save", "save", "load", "compute_weights", "save_growth_mib"} <= r.keys()
+    assert r["compute_weights"]["bf16_mib"] == pytest.approx(0.01 * 1024 / 2, rel=0.01)
