@@ -8,19 +8,13 @@ import pickle
 import warnings
 from pathlib import Path
 
+import olmo_chunks
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
-import olmo_chunks
 from olmo_chunks import _core, values
 from olmo_chunks.cli import main as cli_main
 from olmo_chunks.dcp import (
@@ -35,6 +29,16 @@ from olmo_chunks.dcp import (
 from olmo_chunks.errors import InvalidArgumentError, UnsupportedFormatError
 from olmo_chunks.shards import TensorShard
 from olmo_chunks.tree import flatten
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
 from tests import world
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -43,16 +47,18 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 # Plain values: the DCP door groups them exactly as the native door does
 # ------------------------------------------------------------------------------------------------
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
-                     st.text(max_size=4))
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=4)
+)
 _names = st.text("abcxyz_", min_size=1, max_size=3)
 
 
 def _tree(leaf):
     return st.recursive(
         leaf,
-        lambda kids: st.one_of(st.lists(kids, max_size=3), st.tuples(kids, kids),
-                               st.dictionaries(_names, kids, max_size=3)),
+        lambda kids: st.one_of(
+            st.lists(kids, max_size=3), st.tuples(kids, kids), st.dictionaries(_names, kids, max_size=3)
+        ),
         max_leaves=8,
     )
 
@@ -90,7 +96,7 @@ def test_plain_values_are_grouped_like_the_native_door(raw):
             back[fqn] = (path, v)
     assert {k: values.encode(v, k) for k, (_, v) in back.items()} == leaves
     # object paths are known within an entry; the entry's own key is one opaque component
-    assert all(tuple(paths[k][-len(p) + 1:]) == p[1:] for k, (p, _) in back.items() if len(p) > 1)
+    assert all(tuple(paths[k][-len(p) + 1 :]) == p[1:] for k, (p, _) in back.items() if len(p) > 1)
 
 
 def _has_tensor(v) -> bool:
@@ -155,9 +161,18 @@ def _chunks(boxes):
 
 
 def _item_key(r):
-    return (r.type, r.dest_index.fqn, tuple(r.dest_index.offset or ()), r.dest_index.index, tuple(r.dest_offsets),
-            r.storage_index.fqn, tuple(r.storage_index.offset or ()), r.storage_index.index,
-            tuple(r.storage_offsets), tuple(r.lengths))
+    return (
+        r.type,
+        r.dest_index.fqn,
+        tuple(r.dest_index.offset or ()),
+        r.dest_index.index,
+        tuple(r.dest_offsets),
+        r.storage_index.fqn,
+        tuple(r.storage_index.offset or ()),
+        r.storage_index.index,
+        tuple(r.storage_offsets),
+        tuple(r.lengths),
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -178,8 +193,11 @@ def test_fast_read_items_on_a_large_2d_grid():
     n = 768
 
     def grid(r, c):
-        return [([i * n // r, j * n // c], [(i + 1) * n // r - i * n // r, (j + 1) * n // c - j * n // c])
-                for i in range(r) for j in range(c)]
+        return [
+            ([i * n // r, j * n // c], [(i + 1) * n // r - i * n // r, (j + 1) * n // c - j * n // c])
+            for i in range(r)
+            for j in range(c)
+        ]
 
     saved, local = _chunks(grid(64, 64)), _chunks(grid(48, 40)[::97])
     md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n, n]), saved)
@@ -232,14 +250,21 @@ def _state(layout, fill: bool) -> dict:
         if not fill:
             full = torch.zeros_like(full)
         spec = layout[key]
-        value = full if spec is None else distribute_tensor(full, world.mesh(spec[0]), spec[1], src_data_rank=None)
+        value = (
+            full
+            if spec is None
+            else distribute_tensor(full, world.mesh(spec[0]), spec[1], src_data_rank=None)
+        )
         *parents, leaf = key.split(".")
         node = sd
         for p in parents:
             node = node[p]
         node[leaf] = value
-    sd["optim"]["param_groups"] = [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}] if fill else [
-        {"lr": 0.0, "betas": (0.0, 0.0), "params": []}]
+    sd["optim"]["param_groups"] = (
+        [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]
+        if fill
+        else [{"lr": 0.0, "betas": (0.0, 0.0), "params": []}]
+    )
     sd["step"] = 7 if fill else 0
     sd["meta"] = {"name": "run", "seeds": [1, 2, 3]} if fill else {"name": "", "seeds": []}
     return sd
@@ -292,8 +317,13 @@ def test_dcp_save_loads_through_both_doors_resharded(tmp_path):
     world.run(4, dcp_save_worker, path)
     m = _core.Manifest.open(path)
     roles = {key: role for key, _, _, role, _, _ in m.tensors}
-    assert roles == {"model.w": "main_weight", "model.m": "main_weight", "model.r": "tensor",
-                     "model.s": "main_weight", "optim.state.w.exp_avg": "exp_avg"}
+    assert roles == {
+        "model.w": "main_weight",
+        "model.m": "main_weight",
+        "model.r": "tensor",
+        "model.s": "main_weight",
+        "optim.state.w.exp_avg": "exp_avg",
+    }
     # replicated chunks are written once: exact coverage holds, so nothing is duplicated
     m.check_coverage()
     assert sorted(f for f, _ in m.files) == [f"data/{m.save_id}/rank-{r:05d}.bin" for r in range(4)]
@@ -325,11 +355,12 @@ class _FlatHalves:
     def __init__(self, full: torch.Tensor, rank: int, size: int) -> None:
         n = full.numel()
         self.start, self.stop = rank * n // size, (rank + 1) * n // size
-        self.full_shape, self.local = tuple(full.shape), full.reshape(-1)[self.start:self.stop].clone()
+        self.full_shape, self.local = tuple(full.shape), full.reshape(-1)[self.start : self.stop].clone()
 
     def tensor_shard(self) -> TensorShard:
-        return TensorShard(self.local.dtype, self.full_shape, self.local, [],
-                           [(self.start, self.stop - self.start, 0)])
+        return TensorShard(
+            self.local.dtype, self.full_shape, self.local, [], [(self.start, self.stop - self.start, 0)]
+        )
 
 
 def flat_save_worker(path: str) -> None:
@@ -411,7 +442,9 @@ def test_dtype_conversion_and_noncontiguous_destinations(tmp_path):
     dcp.save({"w": full, "v": full}, storage_writer=ChunkStoreWriter(tmp_path), no_dist=True)
     w = torch.zeros(6, 4, dtype=torch.bfloat16)
     v = torch.zeros(4, 6).t()
-    dcp.load({"w": w, "v": v}, storage_reader=ChunkStoreReader(tmp_path), planner=FastLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"w": w, "v": v}, storage_reader=ChunkStoreReader(tmp_path), planner=FastLoadPlanner(), no_dist=True
+    )
     assert torch.equal(w, full.to(torch.bfloat16)) and torch.equal(v, full)
 
 
@@ -523,7 +556,9 @@ def test_import_dcp_streams_and_verifies(tmp_path, capsys):
     m = _core.Manifest.open(dst)
     assert len(m.files) == m.num_chunks  # --batch-mb 0: one saved item staged at a time
     assert world.run(3, native_load_worker, dst) == [[], [], []]
-    assert world.run(3, load_both_doors_worker, dst) == [{"native": [], "dcp-default": [], "dcp-fast": []}] * 3
+    assert (
+        world.run(3, load_both_doors_worker, dst) == [{"native": [], "dcp-default": [], "dcp-fast": []}] * 3
+    )
 
 
 class _Evil:

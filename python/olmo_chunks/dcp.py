@@ -24,6 +24,7 @@ checkpoint is ever unpickled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import json
@@ -91,8 +92,9 @@ class _Node(dict):
     """An inner node of a path trie (leaves are encoded values, which may be dicts too)."""
 
 
-def group_entries(leaves: Mapping[str, Any], paths: Mapping[str, Any] | None,
-                  tensor_keys: Iterable[str]) -> dict[str, Any]:
+def group_entries(
+    leaves: Mapping[str, Any], paths: Mapping[str, Any] | None, tensor_keys: Iterable[str]
+) -> dict[str, Any]:
     """Native entries (key -> encoded value) from DCP's flattened plain leaves (`leaves`, encoded
     values by FQN) and DCP's flatten mapping (`paths`: FQN -> object path): a container whose
     subtree holds no tensor becomes one entry at its dotted key, as `olmo_chunks.save` stores it."""
@@ -238,7 +240,8 @@ class ChunkStoreWriter(StorageWriter):
             raise InvalidArgumentError("ChunkStoreWriter: no path (pass one, or checkpoint_id to dcp.save)")
         if not kwargs.get("use_collectives", True) and dist.is_initialized() and dist.get_world_size() > 1:
             raise InvalidArgumentError(
-                "ChunkStoreWriter commits one manifest for all ranks and needs use_collectives=True")
+                "ChunkStoreWriter commits one manifest for all ranks and needs use_collectives=True"
+            )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path) if self.path else None, save_id=self.save_id)
@@ -257,15 +260,17 @@ class ChunkStoreWriter(StorageWriter):
         assert self.path is not None
         storage = plan.storage_data
         if not isinstance(storage, _PlanStorage):
-            raise InvalidArgumentError("ChunkStoreWriter: the save plan carries no save id "
-                                       "(was prepare_global_plan bypassed?)")
+            raise InvalidArgumentError(
+                "ChunkStoreWriter: the save plan carries no save id (was prepare_global_plan bypassed?)"
+            )
         self.save_id = storage.save_id
         own = self.path / "data" / storage.save_id / f"rank-{storage.rank:05d}.bin"
         if own.exists():
             # Only a reused (cached) global plan repeats a save id; writing would clobber live data.
             raise InvalidArgumentError(
                 f"{own} exists: the save plan was reused from an earlier save "
-                "(DefaultSavePlanner(enable_plan_caching=True) is not supported by ChunkStoreWriter)")
+                "(DefaultSavePlanner(enable_plan_caching=True) is not supported by ChunkStoreWriter)"
+            )
         results: list[WriteResult] = []
         chunks: list[tuple[str, tuple, torch.Tensor]] = []
         chunk_items = []
@@ -274,7 +279,9 @@ class ChunkStoreWriter(StorageWriter):
                 data = planner.resolve_data(item)
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 enc = _encode_object(item.index.fqn, raw)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=_ValueWritten(enc)))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=_ValueWritten(enc))
+                )
                 continue
             td = item.tensor_data
             assert td is not None
@@ -284,18 +291,26 @@ class ChunkStoreWriter(StorageWriter):
                 continue
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor):
-                raise InvalidArgumentError(f"{item.index.fqn!r}: the planner resolved a tensor item to "
-                                           f"{type(tensor).__name__}")
+                raise InvalidArgumentError(
+                    f"{item.index.fqn!r}: the planner resolved a tensor item to {type(tensor).__name__}"
+                )
             tensor = tensor.detach()
             if list(tensor.shape) != sizes:
-                raise InvalidArgumentError(f"{item.index.fqn!r}: resolved shape {tuple(tensor.shape)} "
-                                           f"differs from the planned chunk {tuple(sizes)}")
+                raise InvalidArgumentError(
+                    f"{item.index.fqn!r}: resolved shape {tuple(tensor.shape)} "
+                    f"differs from the planned chunk {tuple(sizes)}"
+                )
             chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
         written = _write(self.path, storage.save_id, storage.rank, chunks, self.block_size, self.workers)
         for item, (_, region, fname, fsize, offset, nbytes, crcs) in zip(chunk_items, written, strict=True):
-            results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
-                                       storage_data=_ChunkWritten(region, fname, fsize, offset, nbytes, crcs)))
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=nbytes,
+                    storage_data=_ChunkWritten(region, fname, fsize, offset, nbytes, crcs),
+                )
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -316,7 +331,9 @@ class ChunkStoreWriter(StorageWriter):
             for r in rank_results:
                 sd = r.storage_data
                 if isinstance(sd, _ChunkWritten):
-                    mine.append((r.index.fqn, sd.region, sd.file, sd.file_size, sd.offset, sd.nbytes, sd.checksums))
+                    mine.append(
+                        (r.index.fqn, sd.region, sd.file, sd.file_size, sd.offset, sd.nbytes, sd.checksums)
+                    )
                     save_id = sd.file.split("/")[1]
                 elif isinstance(sd, _ValueWritten):
                     leaves[r.index.fqn] = sd.encoded
@@ -329,8 +346,15 @@ class ChunkStoreWriter(StorageWriter):
             **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
             **self.info,
         }
-        commit_manifest(self.path, save_id or self.save_id or uuid.uuid4().hex, self.block_size, schema,
-                        all_written, entries, info)
+        commit_manifest(
+            self.path,
+            save_id or self.save_id or uuid.uuid4().hex,
+            self.block_size,
+            schema,
+            all_written,
+            entries,
+            info,
+        )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -349,7 +373,8 @@ def _encode_object(fqn: str, raw: bytes) -> Any:
     except Exception as exc:
         raise InvalidArgumentError(
             f"{fqn!r}: only plain values (numbers, strings, bytes, lists, tuples, dicts, numpy "
-            f"arrays) can be stored next to tensors; this one cannot be loaded as data ({exc})") from None
+            f"arrays) can be stored next to tensors; this one cannot be loaded as data ({exc})"
+        ) from None
     return values.encode(value, fqn)
 
 
@@ -364,8 +389,9 @@ class ChunkStoreReader(StorageReader):
     `verify` checks block checksums of everything read; `workers` bounds the reading threads.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, verify: bool = True,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike | None = None, *, verify: bool = True, workers: int | None = None
+    ) -> None:
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.verify = verify
@@ -387,7 +413,9 @@ class ChunkStoreReader(StorageReader):
     def _open(self) -> _core.Manifest:
         if self._manifest is None:
             if self.path is None:
-                raise InvalidArgumentError("ChunkStoreReader: no path (pass one, or checkpoint_id to dcp.load)")
+                raise InvalidArgumentError(
+                    "ChunkStoreReader: no path (pass one, or checkpoint_id to dcp.load)"
+                )
             m = _core.Manifest.open(str(self.path))
             self._tensors = {key: (i, torch_dtype(dtype)) for i, (key, dtype, *_) in enumerate(m.tensors)}
             self._values = {}
@@ -398,6 +426,7 @@ class ChunkStoreReader(StorageReader):
         return self._manifest
 
     def read_metadata(self) -> Metadata:
+        self._manifest = None  # every load starts from the manifest committed now
         m = self._open()
         md: dict[str, Any] = {}
         for i, (key, dtype, shape, _role, _n, _b) in enumerate(m.tensors):
@@ -410,7 +439,8 @@ class ChunkStoreReader(StorageReader):
                     for offs, sizes, _, _ in _core.flat_pieces(list(shape), a[0], b[0]):
                         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
             md[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype(dtype)), size=torch.Size(shape), chunks=chunks)
+                properties=TensorProperties(dtype=torch_dtype(dtype)), size=torch.Size(shape), chunks=chunks
+            )
         paths: dict[str, tuple] = {}
         for key, enc in (json.loads(m.entries_json) or {}).items():
             for fqn, (path, _) in dcp_leaves(key, values.decode(enc)).items():
@@ -432,11 +462,15 @@ class ChunkStoreReader(StorageReader):
             storage_meta=StorageMeta(checkpoint_id=str(self.path), save_id=m.save_id, load_id=self.load_id),
         )
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         m = self._open()
         sd = metadata.storage_data
         if isinstance(sd, Mapping) and sd.get("save_id") not in (None, m.save_id):
-            raise InvalidArgumentError(f"{self.path}: metadata of save {sd.get('save_id')} given for save {m.save_id}")
+            raise InvalidArgumentError(
+                f"{self.path}: metadata of save {sd.get('save_id')} given for save {m.save_id}"
+            )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -456,13 +490,17 @@ class ChunkStoreReader(StorageReader):
                 continue
             fqn = item.storage_index.fqn
             if fqn not in self._tensors:
-                raise MismatchError([f"{fqn}: not a tensor in the checkpoint"], header=f"{self.path}: bad read plan")
+                raise MismatchError(
+                    [f"{fqn}: not a tensor in the checkpoint"], header=f"{self.path}: bad read plan"
+                )
             ti, saved_dtype = self._tensors[fqn]
             dest = planner.resolve_tensor(item).detach()
             lengths = list(item.lengths)
             if list(dest.shape) != lengths:
-                raise InvalidArgumentError(f"{fqn!r}: planner resolved a tensor of shape {tuple(dest.shape)} "
-                                           f"for a read of {tuple(lengths)}")
+                raise InvalidArgumentError(
+                    f"{fqn!r}: planner resolved a tensor of shape {tuple(dest.shape)} "
+                    f"for a read of {tuple(lengths)}"
+                )
             base = item.storage_index.offset or torch.Size([0] * len(lengths))
             offsets = [int(a) + int(b) for a, b in zip(base, item.storage_offsets, strict=True)]
             stage = None
@@ -472,14 +510,14 @@ class ChunkStoreReader(StorageReader):
             resolved.append((item, dest, stage))
             if into.numel() == 0:
                 continue
+            # Views of one storage share one buffer (the whole storage); pieces address into it.
             storage = into.untyped_storage()
             sptr = storage.data_ptr()
             if sptr not in buffer_of:
                 buffer_of[sptr] = len(buffers)
                 buffers.append((sptr, storage.nbytes()))
                 keep.append(into)
-            start, rem = divmod(into.data_ptr() - sptr, into.element_size())
-            assert rem == 0
+            start = (into.data_ptr() - sptr) // into.element_size()
             targets.append((ti, [(offsets, lengths, start, list(into.stride()))], buffer_of[sptr]))
         if targets:
             m.load(targets, buffers, verify=self.verify, workers=self.workers)
@@ -492,7 +530,9 @@ class ChunkStoreReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 fqn = item.storage_index.fqn
                 if fqn not in self._values:
-                    raise MismatchError([f"{fqn}: not a value in the checkpoint"], header=f"{self.path}: bad read plan")
+                    raise MismatchError(
+                        [f"{fqn}: not a value in the checkpoint"], header=f"{self.path}: bad read plan"
+                    )
                 buf = io.BytesIO()
                 torch.save(self._values[fqn], buf)  # serialised here from JSON data, never read from disk
                 buf.seek(0)
@@ -509,6 +549,8 @@ class ChunkStoreReader(StorageReader):
 def _direct(dest: torch.Tensor, saved_dtype: torch.dtype) -> bool:
     """True if the core can write `dest`'s elements in place (CPU, saved dtype, no self-overlap)."""
     if dest.device.type != "cpu" or dest.dtype != saved_dtype:
+        return False
+    if (dest.data_ptr() - dest.untyped_storage().data_ptr()) % dest.element_size():
         return False
     extent = 1
     for size, stride in sorted(zip(dest.shape, dest.stride(), strict=True), key=lambda x: x[1]):
@@ -543,23 +585,38 @@ class FastLoadPlanner(DefaultLoadPlanner):
                 continue
             smd = md.state_dict_metadata[fqn]
             if isinstance(smd, BytesStorageMetadata):
-                requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn),
-                                         dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(fqn),
-                                         storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+                requests.append(
+                    ReadItem(
+                        type=LoadItemType.BYTE_IO,
+                        dest_index=MetadataIndex(fqn),
+                        dest_offsets=torch.Size((0,)),
+                        storage_index=MetadataIndex(fqn),
+                        storage_offsets=torch.Size((0,)),
+                        lengths=torch.Size((0,)),
+                    )
+                )
                 continue
             if getattr(obj, "size", None) is not None:
                 global_shape = getattr(obj, "global_shape", None)  # DCP's CheckpointableTensor
                 obj_size = torch.Size(global_shape) if global_shape is not None else obj.size()
                 if smd.size != obj_size:
-                    raise ValueError(f"Size mismatch between saved {smd.size} and current: {obj_size} for {fqn}")
+                    raise ValueError(
+                        f"Size mismatch between saved {smd.size} and current: {obj_size} for {fqn}"
+                    )
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
             local = _local_chunks(fqn, obj)
             batch.append((fqn, smd.size, list(smd.chunks), local, len(requests)))
             requests.append(None)  # type: ignore[arg-type]  # placeholder, keeps state-dict order
-        slots = dict(zip((slot for *_, slot in batch),
-                         read_items_for_chunk_lists([(fqn, size, saved, local) for fqn, size, saved, local, _ in batch]),
-                         strict=True))
+        slots = dict(
+            zip(
+                (slot for *_, slot in batch),
+                read_items_for_chunk_lists(
+                    [(fqn, size, saved, local) for fqn, size, saved, local, _ in batch]
+                ),
+                strict=True,
+            )
+        )
         out: list[ReadItem] = []
         for i, r in enumerate(requests):
             out.extend(slots[i] if r is None else [r])
@@ -572,23 +629,32 @@ def read_items_for_chunk_lists(
     """Per `(fqn, global size, saved chunks, local chunks)`: the read items DCP's
     `create_read_items_for_chunk_list` makes (one per overlapping saved/local pair, same indices
     and offsets), computed in one call to the Rust band index for all tensors."""
-    overlaps = _core.box_overlaps([
-        (len(size), [(list(c.offsets), list(c.sizes)) for c in saved], [(list(c.offsets), list(c.sizes)) for c in local])
-        for _, size, saved, local in tensors
-    ]) if tensors else []
+    # torch.Size is a tuple: the binding reads it as is
+    overlaps = (
+        _core.box_overlaps(
+            [
+                (len(size), [(c.offsets, c.sizes) for c in saved], [(c.offsets, c.sizes) for c in local])
+                for _, size, saved, local in tensors
+            ]
+        )
+        if tensors
+        else []
+    )
     out = []
     for (fqn, _, saved, local), hits in zip(tensors, overlaps, strict=True):
         items = []
         for s, w, offs, sizes in hits:
             sc, lc = saved[s], local[w]
-            items.append(ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, lc.offsets, w),
-                dest_offsets=torch.Size([o - b for o, b in zip(offs, lc.offsets, strict=True)]),
-                storage_index=MetadataIndex(fqn, sc.offsets, s),
-                storage_offsets=torch.Size([o - b for o, b in zip(offs, sc.offsets, strict=True)]),
-                lengths=torch.Size(sizes),
-            ))
+            items.append(
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(fqn, lc.offsets, w),
+                    dest_offsets=torch.Size([o - b for o, b in zip(offs, lc.offsets, strict=True)]),
+                    storage_index=MetadataIndex(fqn, sc.offsets, s),
+                    storage_offsets=torch.Size([o - b for o, b in zip(offs, sc.offsets, strict=True)]),
+                    lengths=torch.Size(sizes),
+                )
+            )
         out.append(items)
     return out
 
@@ -599,8 +665,12 @@ def _local_chunks(fqn: str, obj: Any) -> list[ChunkStorageMetadata]:
         try:
             return _create_chunk_list(obj)
         except ValueError as exc:
-            raise ValueError(f"Invalid checkpoint metadata for {fqn}, expected BytesStorageMetadata "
-                             f"but found a tensor entry") from exc
+            raise ValueError(
+                f"Invalid checkpoint metadata for {fqn}, expected BytesStorageMetadata "
+                f"but found a tensor entry"
+            ) from exc
+    if hasattr(obj, "__create_chunk_list__"):  # pragma: no cover  (DTensor)
+        return obj.__create_chunk_list__()
     if isinstance(obj, torch.Tensor):  # pragma: no cover
         return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
     raise ValueError(f"{fqn}: unsupported type {type(obj).__name__}")  # pragma: no cover
@@ -612,9 +682,17 @@ def _local_chunks(fqn: str, obj: Any) -> list[ChunkStorageMetadata]:
 
 # Globals a DCP `.metadata` pickle may name; anything else is refused.
 _METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -661,9 +739,16 @@ def read_dcp_metadata(src: str | os.PathLike) -> Metadata:
     return md
 
 
-def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, roles: Mapping[str, str] | None = None,
-               block_size: int = _core.DEFAULT_BLOCK_SIZE, batch_bytes: int = 256 << 20,
-               workers: int | None = None, verify: bool = True) -> dict[str, Any]:
+def import_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    roles: Mapping[str, str] | None = None,
+    block_size: int = _core.DEFAULT_BLOCK_SIZE,
+    batch_bytes: int = 256 << 20,
+    workers: int | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
     """Converts a DCP FileSystemWriter checkpoint at `src` into an olmo-chunks checkpoint at `dst`,
     one saved item at a time (memory stays near `batch_bytes` plus the largest item), then
     verifies coverage and every checksum. Returns a summary."""
@@ -678,21 +763,27 @@ def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, roles: Mapping
     pending_bytes = 0
     nfile = 0
     handles: dict[str, Any] = {}
+    files = contextlib.ExitStack()
 
     def info_of(index: MetadataIndex) -> Any:
         sinfo = storage.get(index)
         if sinfo is None:
-            raise CorruptCheckpointError(f"{src}: no storage entry for {index.fqn} at {tuple(index.offset or ())}")
+            raise CorruptCheckpointError(
+                f"{src}: no storage entry for {index.fqn} at {tuple(index.offset or ())}"
+            )
         if getattr(sinfo, "transform_descriptors", None):
-            raise UnsupportedFormatError(f"{src}: {index.fqn} was written with stream transforms "
-                                         f"{sinfo.transform_descriptors}, which import-dcp does not read")
+            raise UnsupportedFormatError(
+                f"{src}: {index.fqn} was written with stream transforms "
+                f"{sinfo.transform_descriptors}, which import-dcp does not read"
+            )
         return sinfo
 
     def read_raw(sinfo: Any) -> bytes:
         f = handles.get(sinfo.relative_path)
         if f is None:
             try:
-                f = handles[sinfo.relative_path] = open(src / sinfo.relative_path, "rb")
+                f = files.enter_context(open(src / sinfo.relative_path, "rb"))  # noqa: SIM115 (closed by files)
+                handles[sinfo.relative_path] = f
             except FileNotFoundError:
                 from .errors import MissingDataFileError
 
@@ -719,7 +810,11 @@ def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, roles: Mapping
                 leaves[fqn] = _encode_object(fqn, read_raw(info_of(MetadataIndex(fqn))))
                 continue
             dtype = smd.properties.dtype
-            schema[fqn] = (dtype_name(dtype), list(smd.size), resolve_role(fqn, torch.empty(0, dtype=dtype), roles))
+            schema[fqn] = (
+                dtype_name(dtype),
+                list(smd.size),
+                resolve_role(fqn, torch.empty(0, dtype=dtype), roles),
+            )
             for chunk in smd.chunks:
                 if 0 in list(chunk.sizes):
                     continue
@@ -727,12 +822,15 @@ def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, roles: Mapping
                 try:
                     t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                 except Exception as exc:
-                    raise CorruptCheckpointError(f"{src}: item {fqn} at {tuple(chunk.offsets)} is not a "
-                                                 f"torch.save'd tensor ({exc})") from None
+                    raise CorruptCheckpointError(
+                        f"{src}: item {fqn} at {tuple(chunk.offsets)} is not a torch.save'd tensor ({exc})"
+                    ) from None
                 del raw
                 if not isinstance(t, torch.Tensor) or t.dtype != dtype or list(t.shape) != list(chunk.sizes):
-                    raise CorruptCheckpointError(f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
-                                                 f"its metadata ({dtype}, {tuple(chunk.sizes)})")
+                    raise CorruptCheckpointError(
+                        f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
+                        f"its metadata ({dtype}, {tuple(chunk.sizes)})"
+                    )
                 nbytes = t.numel() * t.element_size()
                 if pending and pending_bytes + nbytes > batch_bytes:
                     flush()
@@ -740,18 +838,26 @@ def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, roles: Mapping
                 pending_bytes += nbytes
         flush()
     finally:
-        for f in handles.values():
-            f.close()
+        files.close()
     paths = md.planner_data if isinstance(md.planner_data, Mapping) else None
     entries = group_entries(leaves, paths, schema)
-    info = {"writer": "olmo_chunks.import_dcp", "source": str(src), "dcp_version": md.version,
-            **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {})}
+    info = {
+        "writer": "olmo_chunks.import_dcp",
+        "source": str(src),
+        "dcp_version": md.version,
+        **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
+    }
     commit_manifest(dst, save_id, block_size, schema, [written], entries, info)
     m = _core.Manifest.open(str(dst))
     m.check_coverage()
     nbytes = m.verify_data(workers) if verify else 0
-    return {"tensors": len(schema), "values": len(entries), "chunks": m.num_chunks, "bytes": nbytes,
-            "files": len(m.files)}
+    return {
+        "tensors": len(schema),
+        "values": len(entries),
+        "chunks": m.num_chunks,
+        "bytes": nbytes,
+        "files": len(m.files),
+    }
 
 
 def _import_args(p: argparse.ArgumentParser) -> None:
@@ -761,13 +867,18 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None)
 
 
-@register("import-dcp", "convert a DCP FileSystemWriter checkpoint into the chunk store, then verify it",
-          _import_args)
+@register(
+    "import-dcp",
+    "convert a DCP FileSystemWriter checkpoint into the chunk store, then verify it",
+    _import_args,
+)
 def _import_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     s = import_dcp(args.src, args.dst, batch_bytes=args.batch_mb << 20, workers=args.workers)
     dt = time.perf_counter() - t0
-    print(f"OK {args.dst}: {s['tensors']} tensors, {s['values']} values, {s['chunks']} chunks in "
-          f"{s['files']} data files, {s['bytes']} bytes verified ({s['bytes'] / max(dt, 1e-9) / 1e9:.2f} GB/s "
-          "end to end), exact coverage")
+    print(
+        f"OK {args.dst}: {s['tensors']} tensors, {s['values']} values, {s['chunks']} chunks in "
+        f"{s['files']} data files, {s['bytes']} bytes verified ({s['bytes'] / max(dt, 1e-9) / 1e9:.2f} GB/s "
+        "end to end), exact coverage"
+    )
     return 0
