@@ -56,8 +56,14 @@ __all__ = [
 ]
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-           "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -77,12 +83,18 @@ def _box_elems(budget: int, itemsizes: Sequence[int]) -> int:
     return max(1, budget // max(1, sum(itemsizes)))
 
 
-def _native_loader(manifest: Any, workers: int | None) -> Callable[[NativeSource, list[int], list[int]], torch.Tensor]:
+def _native_loader(
+    manifest: Any, workers: int | None
+) -> Callable[[NativeSource, list[int], list[int]], torch.Tensor]:
     def load(src: NativeSource, off: list[int], size: list[int]) -> torch.Tensor:
         buf = torch.empty(size, dtype=src.dtype)
         if buf.numel():
-            manifest.load([(src.index, src.pieces(off, size), 0)],
-                          [(buf.data_ptr(), buf.numel() * buf.element_size())], verify=True, workers=workers)
+            manifest.load(
+                [(src.index, src.pieces(off, size), 0)],
+                [(buf.data_ptr(), buf.numel() * buf.element_size())],
+                verify=True,
+                workers=workers,
+            )
         return buf
 
     return load
@@ -115,7 +127,9 @@ def _pick_export_spec(manifest: Any, mapping: str | None) -> tuple[MappingSpec, 
     raise ConversionError(tried, header="no built-in mapping fits this checkpoint; pass --mapping SPEC")
 
 
-def _config_problems(spec: MappingSpec | None, plan: TensorPlan, config: Mapping[str, Any] | None) -> list[str]:
+def _config_problems(
+    spec: MappingSpec | None, plan: TensorPlan, config: Mapping[str, Any] | None
+) -> list[str]:
     if spec is None or config is None:
         return []
     out = []
@@ -165,15 +179,21 @@ def export_checkpoint(
     want = _resolve_dtype(dtype)
     spec: MappingSpec | None = None
     if format == "safetensors" and mapping is None:
-        plan = plan_identity(manifest, (MAIN_WEIGHT, EXP_AVG, EXP_AVG_SQ) if include_moments else (MAIN_WEIGHT,))
+        plan = plan_identity(
+            manifest, (MAIN_WEIGHT, EXP_AVG, EXP_AVG_SQ) if include_moments else (MAIN_WEIGHT,)
+        )
     elif format in ("hf", "safetensors"):
         if include_moments:
-            raise InvalidArgumentError("optimizer moments can only be exported with native names (--format safetensors)")
+            raise InvalidArgumentError(
+                "optimizer moments can only be exported with native names (--format safetensors)"
+            )
         spec, plan = _pick_export_spec(manifest, mapping)
     else:
         raise InvalidArgumentError(f"--format must be hf or safetensors, not {format!r}")
     if plan.problems:
-        raise ConversionError(plan.problems, header=f"{ckpt}: cannot export through mapping {spec and spec.name}")
+        raise ConversionError(
+            plan.problems, header=f"{ckpt}: cannot export through mapping {spec and spec.name}"
+        )
     cfg: dict[str, Any] | None = None
     if format == "hf":
         if isinstance(config, Mapping):
@@ -183,13 +203,17 @@ def export_checkpoint(
         else:
             cfg = _saved_hf_config(manifest)
         if cfg is None:
-            raise InvalidArgumentError(f"{ckpt}: no saved hf_config; pass --config CONFIG.json for --format hf")
+            raise InvalidArgumentError(
+                f"{ckpt}: no saved hf_config; pass --config CONFIG.json for --format hf"
+            )
         problems = _config_problems(spec, plan, cfg)
         if problems:
             raise ConversionError(problems, header="the HF config does not match the checkpoint")
     if plan.vocab_size is None and plan.padded_vocab_size is not None:
-        print(f"olmo-chunks export: warning: {ckpt} saves no vocab size; vocab rows exported untrimmed",
-              file=sys.stderr)
+        print(
+            f"olmo-chunks export: warning: {ckpt} saves no vocab size; vocab rows exported untrimmed",
+            file=sys.stderr,
+        )
     casts: dict[str, int] = {}
     planned = []
     for e in plan.entries:
@@ -226,8 +250,10 @@ def export_checkpoint(
             for off, size in contiguous_boxes(e.shape, n):
                 x = read_planned(e, off, size, load)
                 if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-                    raise ConversionError([f"{e.source.key}: nonfinite values (exporting {e.hf_name})"],
-                                          header="refusing to export nonfinite weights")
+                    raise ConversionError(
+                        [f"{e.source.key}: nonfinite values (exporting {e.hf_name})"],
+                        header="refusing to export nonfinite weights",
+                    )
                 writer.write(e.hf_name, x.to(od))
                 del x
     except BaseException:
@@ -265,16 +291,19 @@ class TensorDictSource:
         return t[idx].contiguous()
 
 
-def _native_regions(src: NativeSource, off: list[int], size: list[int],
-                    data: torch.Tensor) -> list[tuple[tuple[str, list[int], list[int]], torch.Tensor]]:
+def _native_regions(
+    src: NativeSource, off: list[int], size: list[int], data: torch.Tensor
+) -> list[tuple[tuple[str, list[int], list[int]], torch.Tensor]]:
     data = data.contiguous()
     if tuple(src.saved_shape) == tuple(src.shape):
         return [(("box", off, size), data)]
     from .mapping import _runs
 
     flat = data.reshape(-1)
-    return [(("flat", [start], [length]), flat[local : local + length])
-            for start, length, local in _runs(src.shape, off, size)]
+    return [
+        (("flat", [start], [length]), flat[local : local + length])
+        for start, length, local in _runs(src.shape, off, size)
+    ]
 
 
 def _pick_import_spec(names: Sequence[str], mapping: str | None, model_type: str | None) -> MappingSpec:
@@ -285,8 +314,10 @@ def _pick_import_spec(names: Sequence[str], mapping: str | None, model_type: str
     for spec in specs:
         if spec.covers_hf(names):
             return spec
-    raise ConversionError([f"{n}" for n in names if not any(s.hf_rule(n) for s in specs)][:20],
-                          header="no built-in mapping covers these HF tensors; pass --mapping SPEC")
+    raise ConversionError(
+        [f"{n}" for n in names if not any(s.hf_rule(n) for s in specs)][:20],
+        header="no built-in mapping covers these HF tensors; pass --mapping SPEC",
+    )
 
 
 def import_hf(
@@ -309,8 +340,11 @@ def import_hf(
         raise ConversionError(src.problems, header="the HF tensors are inconsistent")
     if config is None and isinstance(src, SafetensorsDir):
         config = src.config()
-    spec = mapping if isinstance(mapping, MappingSpec) else _pick_import_spec(
-        list(src.tensors), mapping, (config or {}).get("model_type"))
+    spec = (
+        mapping
+        if isinstance(mapping, MappingSpec)
+        else _pick_import_spec(list(src.tensors), mapping, (config or {}).get("model_type"))
+    )
     plan = plan_import({n: t.shape for n, t in src.tensors.items()}, spec, pad_multiple=pad_multiple)
     if plan.problems:
         raise ConversionError(plan.problems, header=f"cannot import through mapping {spec.name}")
@@ -355,7 +389,7 @@ def import_hf(
     by_native: dict[str, list[Planned]] = {}
     for e in plan.entries:
         by_native.setdefault(e.native_name, []).append(e)
-    for native, es in by_native.items():
+    for es in by_native.values():
         for e in es:
             assert e.source is not None
             item = src.tensors[e.hf_name].dtype.itemsize
@@ -384,25 +418,44 @@ def import_hf(
     tensors = []
     for native, (saved_shape, _) in sorted(plan.natives.items()):
         key = spec.import_prefix + native
-        tensors.append((key, dtype_name(native_dtype[native]), list(saved_shape), MAIN_WEIGHT, chunks[native]))
+        tensors.append(
+            (key, dtype_name(native_dtype[native]), list(saved_shape), MAIN_WEIGHT, chunks[native])
+        )
     entries: dict[str, Any] = {
-        "model_config": values.encode({"vocab_size": plan.vocab_size, "padded_vocab_size": plan.padded_vocab_size},
-                                      "model_config"),
+        "model_config": values.encode(
+            {"vocab_size": plan.vocab_size, "padded_vocab_size": plan.padded_vocab_size}, "model_config"
+        ),
     }
     if config is not None:
         entries["hf_config"] = values.encode(dict(config), "hf_config")
-    info = values.encode({
-        "writer": "olmo_chunks.import_hf",
-        "created_unix": time.time(),
-        "source": str(getattr(src, "path", "<tensors>")),
+    info = values.encode(
+        {
+            "writer": "olmo_chunks.import_hf",
+            "created_unix": time.time(),
+            "source": str(getattr(src, "path", "<tensors>")),
+            "mapping": spec.name,
+            "mapping_sha256": spec.sha256,
+            "torch": torch.__version__,
+        },
+        "info",
+    )
+    _core.commit(
+        str(path),
+        save_id,
+        _core.DEFAULT_BLOCK_SIZE,
+        files,
+        tensors,
+        json.dumps(entries, allow_nan=False),
+        json.dumps(info, allow_nan=False),
+    )
+    return {
+        "tensors": len(tensors),
+        "hf_tensors": len(plan.entries),
         "mapping": spec.name,
-        "mapping_sha256": spec.sha256,
-        "torch": torch.__version__,
-    }, "info")
-    _core.commit(str(path), save_id, _core.DEFAULT_BLOCK_SIZE, files, tensors,
-                 json.dumps(entries, allow_nan=False), json.dumps(info, allow_nan=False))
-    return {"tensors": len(tensors), "hf_tensors": len(plan.entries), "mapping": spec.name,
-            "vocab_size": plan.vocab_size, "padded_vocab_size": plan.padded_vocab_size, "files": len(files)}
+        "vocab_size": plan.vocab_size,
+        "padded_vocab_size": plan.padded_vocab_size,
+        "files": len(files),
+    }
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -415,8 +468,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(ints[t.element_size()])
 
 
-def _compare(plan: TensorPlan, hf: SafetensorsDir | TensorDictSource, load: Callable, budget: int,
-             recorded_dtype: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+def _compare(
+    plan: TensorPlan,
+    hf: SafetensorsDir | TensorDictSource,
+    load: Callable,
+    budget: int,
+    recorded_dtype: str | None,
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Per-tensor records and failure lines (`name: why`) for every planned and every stored
     HF tensor."""
     records: list[dict[str, Any]] = []
@@ -427,9 +485,14 @@ def _compare(plan: TensorPlan, hf: SafetensorsDir | TensorDictSource, load: Call
         src = e.source
         assert src is not None
         rec: dict[str, Any] = {
-            "name": e.hf_name, "status": "ok", "shape": list(e.shape), "source": src.key,
-            "source_dtype": dtype_name(src.dtype), "source_shape": list(src.shape),
-            "source_saved_shape": list(src.saved_shape), "source_chunks": dict(src.chunk_kinds),
+            "name": e.hf_name,
+            "status": "ok",
+            "shape": list(e.shape),
+            "source": src.key,
+            "source_dtype": dtype_name(src.dtype),
+            "source_shape": list(src.shape),
+            "source_saved_shape": list(src.saved_shape),
+            "source_chunks": dict(src.chunk_kinds),
             "packing": e.packing(),
         }
         if src.also_saved:
@@ -446,21 +509,30 @@ def _compare(plan: TensorPlan, hf: SafetensorsDir | TensorDictSource, load: Call
                 op, shp = trims[0]
                 rows, want = act.shape[op.dim], e.shape[op.dim]
                 if rows < want:
-                    why.append(f"shape {list(act.shape)}, expected {list(e.shape)}: vocab trimmed beyond the "
-                               f"padding ({rows} rows, saved vocab size {want} of {shp[op.dim]} padded)")
+                    why.append(
+                        f"shape {list(act.shape)}, expected {list(e.shape)}: vocab trimmed beyond the "
+                        f"padding ({rows} rows, saved vocab size {want} of {shp[op.dim]} padded)"
+                    )
                 else:
-                    why.append(f"shape {list(act.shape)}, expected {list(e.shape)}: vocab not trimmed to the saved "
-                               f"size {want}")
+                    why.append(
+                        f"shape {list(act.shape)}, expected {list(e.shape)}: vocab not trimmed to the saved "
+                        f"size {want}"
+                    )
             else:
                 why.append(f"wrong shape {list(act.shape)}, expected {list(e.shape)}")
         elif src.dtype.is_floating_point and not act.dtype.is_floating_point:
             why.append(f"dtype {dtype_name(act.dtype)} for a {dtype_name(src.dtype)} weight")
-        elif recorded_dtype not in (None, "saved") and src.dtype.is_floating_point and \
-                dtype_name(act.dtype) != recorded_dtype:
+        elif (
+            recorded_dtype not in (None, "saved")
+            and src.dtype.is_floating_point
+            and dtype_name(act.dtype) != recorded_dtype
+        ):
             why.append(f"dtype {dtype_name(act.dtype)}, the export recorded {recorded_dtype}")
         if not why and act is not None:
             rec["dtype"] = dtype_name(act.dtype)
-            rec["cast"] = (f"{dtype_name(src.dtype)}->{dtype_name(act.dtype)}" if act.dtype != src.dtype else None)
+            rec["cast"] = (
+                f"{dtype_name(src.dtype)}->{dtype_name(act.dtype)}" if act.dtype != src.dtype else None
+            )
             why += _stream_compare(e, act.dtype, hf, load, budget, rec)
         if why:
             rec["status"] = "fail"
@@ -469,15 +541,18 @@ def _compare(plan: TensorPlan, hf: SafetensorsDir | TensorDictSource, load: Call
         records.append(rec)
     for name in sorted(set(hf.tensors) - expected):
         why = "extra: the mapping produces no such tensor from the native checkpoint"
-        records.append({"name": name, "status": "fail", "reasons": [why], "shape": list(hf.tensors[name].shape)})
+        records.append(
+            {"name": name, "status": "fail", "reasons": [why], "shape": list(hf.tensors[name].shape)}
+        )
         failures.append(f"{name}: {why}")
     for name in sorted(set(hf.duplicates) - expected):
         failures.append(f"{name}: duplicate: stored in {', '.join(hf.duplicates[name])}")
     return records, failures
 
 
-def _stream_compare(e: Planned, out_dtype: torch.dtype, hf: Any, load: Callable, budget: int,
-                    rec: dict[str, Any]) -> list[str]:
+def _stream_compare(
+    e: Planned, out_dtype: torch.dtype, hf: Any, load: Callable, budget: int, rec: dict[str, Any]
+) -> list[str]:
     assert e.source is not None
     n = _box_elems(budget, [e.source.dtype.itemsize] * 3 + [out_dtype.itemsize] * 3)
     h_act, h_exp = hashlib.sha256(), hashlib.sha256()
@@ -510,13 +585,16 @@ def _stream_compare(e: Planned, out_dtype: torch.dtype, hf: Any, load: Callable,
         why.append(f"nonfinite values in the native tensor {e.source.key}")
     if mismatched:
         i, a, b = first  # type: ignore[misc]
-        why.append(f"{mismatched} element(s) differ after the {rec.get('cast') or 'identity'} conversion "
-                   f"(first at flat index {i}: expected {a!r}, found {b!r})")
+        why.append(
+            f"{mismatched} element(s) differ after the {rec.get('cast') or 'identity'} conversion "
+            f"(first at flat index {i}: expected {a!r}, found {b!r})"
+        )
     return why
 
 
-def _hf_model_state(hf_dir: Path, files: SafetensorsDir,
-                    config: Mapping[str, Any] | None) -> tuple[Any, str, list[str]]:
+def _hf_model_state(
+    hf_dir: Path, files: SafetensorsDir, config: Mapping[str, Any] | None
+) -> tuple[Any, str, list[str]]:
     """The HF-side tensors for the round trip: the transformers model built from the config and
     loaded from the directory when transformers knows the architecture, else the files."""
     try:
@@ -529,14 +607,20 @@ def _hf_model_state(hf_dir: Path, files: SafetensorsDir,
         return files, f"safetensors files (transformers has no {arch!r})", []
     dtypes = [t.dtype for t in files.tensors.values() if t.dtype.is_floating_point]
     dt = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-    kw: dict[str, Any] = {"dtype": dt} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dt}
+    kw: dict[str, Any] = (
+        {"dtype": dt} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dt}
+    )
     problems: list[str] = []
     try:
-        model, info = cls.from_pretrained(str(hf_dir), output_loading_info=True, ignore_mismatched_sizes=True,
-                                          local_files_only=True, **kw)
+        model, info = cls.from_pretrained(
+            str(hf_dir), output_loading_info=True, ignore_mismatched_sizes=True, local_files_only=True, **kw
+        )
     except Exception as exc:  # transformers raises many types; the failure is the finding
-        return None, f"transformers {transformers.__version__} {arch}", [
-            f"{arch}: from_pretrained failed: {type(exc).__name__}: {exc}".splitlines()[0]]
+        return (
+            None,
+            f"transformers {transformers.__version__} {arch}",
+            [f"{arch}: from_pretrained failed: {type(exc).__name__}: {exc}".splitlines()[0]],
+        )
     for k in info.get("missing_keys", []):
         problems.append(f"{k}: missing when building {arch} (left at its initial value)")
     for k in info.get("unexpected_keys", []):
@@ -580,15 +664,20 @@ def validate_conversion(
     entries = json.loads(manifest.entries_json) or {}
     index_meta: dict[str, Any] = {}
     if (hf_dir / INDEX_NAME).exists():
-        index_meta = (json.loads((hf_dir / INDEX_NAME).read_text()).get("metadata") or {}).get("olmo_chunks") or {}
+        index_meta = (json.loads((hf_dir / INDEX_NAME).read_text()).get("metadata") or {}).get(
+            "olmo_chunks"
+        ) or {}
     recorded = index_meta.get("dtype")
     report: dict[str, Any] = {
         "ok": False,
         "native": str(Path(native).resolve()),
         "hf": str(hf_dir.resolve()),
         "native_checkpoint": {"save_id": manifest.save_id, "entries_sha256": _sha256_json(entries)},
-        "config": {"path": str(cfg_path), "file_sha256": _hash_file(cfg_path),
-                   "sha256": _sha256_json(cfg) if cfg is not None else None},
+        "config": {
+            "path": str(cfg_path),
+            "file_sha256": _hash_file(cfg_path),
+            "sha256": _sha256_json(cfg) if cfg is not None else None,
+        },
         "hf_files": {f: _hash_file(hf_dir / f) for f in sorted(files.metadata)},
         "recorded_export": index_meta or None,
         "passes": {},
@@ -598,14 +687,21 @@ def validate_conversion(
     if mapping is not None:
         spec = MappingSpec.load(mapping)
     else:
-        spec = _pick_import_spec(list(files.tensors), None, (cfg or {}).get("model_type")) \
-            if files.tensors else MappingSpec.load(BUILTIN_MAPPINGS[0])
+        spec = (
+            _pick_import_spec(list(files.tensors), None, (cfg or {}).get("model_type"))
+            if files.tensors
+            else MappingSpec.load(BUILTIN_MAPPINGS[0])
+        )
     report["mapping"] = {"name": spec.name, "source": spec.source, "sha256": spec.sha256}
     load = _native_loader(manifest, workers)
     # Native pass.
     plan = plan_export(manifest, spec)
-    report["native_checkpoint"].update(vocab_size=plan.vocab_size, padded_vocab_size=plan.padded_vocab_size,
-                                       skipped_roles=plan.ignored, derived=plan.derived)
+    report["native_checkpoint"].update(
+        vocab_size=plan.vocab_size,
+        padded_vocab_size=plan.padded_vocab_size,
+        skipped_roles=plan.ignored,
+        derived=plan.derived,
+    )
     if cfg is None:
         failures.append(f"config.json: no HF config at {cfg_path}")
     cfg_fail = _config_problems(spec, plan, cfg)
@@ -615,22 +711,34 @@ def validate_conversion(
     failures += [f"native pass: {f}" for f in fails]
     # Round-trip pass.
     if round_trip:
-        report["passes"]["round_trip"] = rt = _round_trip(hf_dir, files, cfg, spec, memory_budget, workers, recorded)
+        report["passes"]["round_trip"] = rt = _round_trip(
+            hf_dir, files, cfg, spec, memory_budget, workers, recorded
+        )
         failures += [f"round-trip pass: {f}" for f in rt["failures"]]
     report["failures"] = failures
     report["ok"] = not failures
     return report
 
 
-def _round_trip(hf_dir: Path, files: SafetensorsDir, cfg: Mapping[str, Any] | None, spec: MappingSpec,
-                budget: int, workers: int | None, recorded: str | None) -> dict[str, Any]:
+def _round_trip(
+    hf_dir: Path,
+    files: SafetensorsDir,
+    cfg: Mapping[str, Any] | None,
+    spec: MappingSpec,
+    budget: int,
+    workers: int | None,
+    recorded: str | None,
+) -> dict[str, Any]:
     state, how, problems = _hf_model_state(hf_dir, files, cfg)
     out: dict[str, Any] = {"ok": False, "hf_model": how, "failures": list(problems), "tensors": []}
     if state is None:
         return out
     try:
-        model_spec = spec if spec.covers_hf(state.tensors) else _pick_import_spec(
-            list(state.tensors), None, (cfg or {}).get("model_type"))
+        model_spec = (
+            spec
+            if spec.covers_hf(state.tensors)
+            else _pick_import_spec(list(state.tensors), None, (cfg or {}).get("model_type"))
+        )
     except ConversionError as exc:
         out["failures"] += [f"{m}: no mapping covers this HF model tensor" for m in exc.mismatches]
         return out
@@ -638,8 +746,15 @@ def _round_trip(hf_dir: Path, files: SafetensorsDir, cfg: Mapping[str, Any] | No
     tmp = Path(tempfile.mkdtemp(prefix="olmo-chunks-roundtrip-"))
     try:
         try:
-            import_hf(state, tmp / "native", mapping=model_spec, dtype=None, memory_budget=budget,
-                      config=cfg, workers=workers)
+            import_hf(
+                state,
+                tmp / "native",
+                mapping=model_spec,
+                dtype=None,
+                memory_budget=budget,
+                config=cfg,
+                workers=workers,
+            )
         except ConversionError as exc:
             out["failures"] += list(exc.mismatches)
             return out
@@ -660,49 +775,95 @@ def _round_trip(hf_dir: Path, files: SafetensorsDir, cfg: Mapping[str, Any] | No
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="native checkpoint directory")
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=["hf", "safetensors"], default="hf",
-                   help="hf: mapped names + config.json; safetensors: native names (default hf)")
-    p.add_argument("--mapping", default=None,
-                   help=f"built-in ({', '.join(BUILTIN_MAPPINGS)}) or a JSON spec file (default: the built-in that fits)")
-    p.add_argument("--dtype", default=None, help="bf16, fp32 or fp16 for floating tensors (default: as saved)")
-    p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET), help="bytes of tensor data held at once (e.g. 256M)")
+    p.add_argument(
+        "--format",
+        choices=["hf", "safetensors"],
+        default="hf",
+        help="hf: mapped names + config.json; safetensors: native names (default hf)",
+    )
+    p.add_argument(
+        "--mapping",
+        default=None,
+        help=f"built-in ({', '.join(BUILTIN_MAPPINGS)}) or a JSON spec file (default: the one that fits)",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="bf16, fp32 or fp16 for floating tensors (default: as saved)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=str(DEFAULT_MEMORY_BUDGET),
+        help="bytes of tensor data held at once (e.g. 256M)",
+    )
     p.add_argument("--max-shard-size", default="5G", help="bytes per safetensors file (default 5G)")
-    p.add_argument("--config", default=None, help="HF config.json to write (default: the checkpoint's saved hf_config)")
-    p.add_argument("--include-moments", action="store_true", help="also export Adam moments (--format safetensors)")
+    p.add_argument(
+        "--config", default=None, help="HF config.json to write (default: the checkpoint's saved hf_config)"
+    )
+    p.add_argument(
+        "--include-moments", action="store_true", help="also export Adam moments (--format safetensors)"
+    )
     p.add_argument("--workers", type=int, default=None)
 
 
-@register("export", "stream main weights into sharded safetensors / a Hugging Face model directory", _export_args)
+@register(
+    "export", "stream main weights into sharded safetensors / a Hugging Face model directory", _export_args
+)
 def _export_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    index = export_checkpoint(args.ckpt, args.out, format=args.format, mapping=args.mapping, dtype=args.dtype,
-                              memory_budget=parse_bytes(args.memory_budget), include_moments=args.include_moments,
-                              config=args.config, max_shard_bytes=parse_bytes(args.max_shard_size),
-                              workers=args.workers)
+    index = export_checkpoint(
+        args.ckpt,
+        args.out,
+        format=args.format,
+        mapping=args.mapping,
+        dtype=args.dtype,
+        memory_budget=parse_bytes(args.memory_budget),
+        include_moments=args.include_moments,
+        config=args.config,
+        max_shard_bytes=parse_bytes(args.max_shard_size),
+        workers=args.workers,
+    )
     n = len(index["weight_map"])
     files = len(set(index["weight_map"].values()))
-    print(f"OK {args.out}: {n} tensors, {files} file(s), {index['metadata']['total_size']} bytes "
-          f"in {time.perf_counter() - t0:.1f}s")
+    print(
+        f"OK {args.out}: {n} tensors, {files} file(s), {index['metadata']['total_size']} bytes "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
     return 0
 
 
 def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", help="Hugging Face model directory (safetensors)")
     p.add_argument("ckpt", help="native checkpoint directory to write")
-    p.add_argument("--mapping", default=None, help="built-in or JSON spec file (default: the built-in that fits)")
+    p.add_argument(
+        "--mapping", default=None, help="built-in or JSON spec file (default: the built-in that fits)"
+    )
     p.add_argument("--dtype", default="fp32", help="dtype of the native main weights (fp32, bf16 or keep)")
-    p.add_argument("--pad-vocab-multiple", type=int, default=None, help="pad vocab rows to a multiple (default: mapping's)")
+    p.add_argument(
+        "--pad-vocab-multiple",
+        type=int,
+        default=None,
+        help="pad vocab rows to a multiple (default: mapping's)",
+    )
     p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET))
     p.add_argument("--workers", type=int, default=None)
 
 
-@register("import-hf", "write a native checkpoint from a Hugging Face safetensors model directory", _import_args)
+@register(
+    "import-hf", "write a native checkpoint from a Hugging Face safetensors model directory", _import_args
+)
 def _import_cmd(args: argparse.Namespace) -> int:
-    s = import_hf(args.hf_dir, args.ckpt, mapping=args.mapping, dtype=args.dtype,
-                  memory_budget=parse_bytes(args.memory_budget), pad_multiple=args.pad_vocab_multiple,
-                  workers=args.workers)
-    print(f"OK {args.ckpt}: {s['tensors']} native tensors from {s['hf_tensors']} HF tensors "
-          f"(mapping {s['mapping']}, vocab {s['vocab_size']} padded to {s['padded_vocab_size']})")
+    s = import_hf(
+        args.hf_dir,
+        args.ckpt,
+        mapping=args.mapping,
+        dtype=args.dtype,
+        memory_budget=parse_bytes(args.memory_budget),
+        pad_multiple=args.pad_vocab_multiple,
+        workers=args.workers,
+    )
+    print(
+        f"OK {args.ckpt}: {s['tensors']} native tensors from {s['hf_tensors']} HF tensors "
+        f"(mapping {s['mapping']}, vocab {s['vocab_size']} padded to {s['padded_vocab_size']})"
+    )
     return 0
 
 
@@ -710,20 +871,31 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native", required=True, help="native checkpoint directory")
     p.add_argument("--hf", required=True, help="HF export directory")
     p.add_argument("--config", default=None, help="HF config.json (default: the one in --hf)")
-    p.add_argument("--mapping", default=None, help="built-in or JSON spec file (default: the built-in that fits)")
+    p.add_argument(
+        "--mapping", default=None, help="built-in or JSON spec file (default: the built-in that fits)"
+    )
     p.add_argument("--report", required=True, help="where to write the JSON report")
     p.add_argument("--no-round-trip", action="store_true", help="run the native pass only")
     p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET))
     p.add_argument("--workers", type=int, default=None)
 
 
-@register("validate-conversion", "exhaustively compare a native checkpoint with its HF export (two passes)",
-          _validate_args)
+@register(
+    "validate-conversion",
+    "exhaustively compare a native checkpoint with its HF export (two passes)",
+    _validate_args,
+)
 def _validate_cmd(args: argparse.Namespace) -> int:
     try:
-        report = validate_conversion(args.native, args.hf, config=args.config, mapping=args.mapping,
-                                     memory_budget=parse_bytes(args.memory_budget),
-                                     round_trip=not args.no_round_trip, workers=args.workers)
+        report = validate_conversion(
+            args.native,
+            args.hf,
+            config=args.config,
+            mapping=args.mapping,
+            memory_budget=parse_bytes(args.memory_budget),
+            round_trip=not args.no_round_trip,
+            workers=args.workers,
+        )
     except OlmoChunksError:
         raise
     Path(args.report).write_text(json.dumps(report, indent=1) + "\n")

@@ -141,7 +141,8 @@ class MappingSpec:
         p = Path(s)
         if not p.is_file():
             raise InvalidArgumentError(
-                f"mapping {s!r} is neither a built-in ({', '.join(BUILTIN_MAPPINGS)}) nor a file")
+                f"mapping {s!r} is neither a built-in ({', '.join(BUILTIN_MAPPINGS)}) nor a file"
+            )
         return cls.parse(p.read_text(), source=str(p))
 
     @classmethod
@@ -155,7 +156,11 @@ class MappingSpec:
         rules = []
         for i, r in enumerate(raw.get("tensors") or []):
             where = f"{source} tensors[{i}]"
-            if not isinstance(r, dict) or not isinstance(r.get("native"), str) or not isinstance(r.get("hf"), str):
+            if (
+                not isinstance(r, dict)
+                or not isinstance(r.get("native"), str)
+                or not isinstance(r.get("hf"), str)
+            ):
                 raise _bad(where, 'each rule needs "native" and "hf" name patterns')
             ops = r.get("ops", [])
             if not isinstance(ops, list):
@@ -164,7 +169,7 @@ class MappingSpec:
             for j, op in enumerate(ops):
                 if not isinstance(op, dict) or len(op) != 1:
                     raise _bad(where, f"op {j} must be an object with one key")
-                (kind, arg), = op.items()
+                ((kind, arg),) = op.items()
                 if kind == "unflatten" and j != 0:
                     raise _bad(where, "unflatten must be the first op")
                 if kind == "trim_vocab" and not (j == 0 or (j == 1 and "unflatten" in ops[0])):
@@ -176,9 +181,13 @@ class MappingSpec:
                     elif not isinstance(idx, int):
                         raise _bad(where, "take needs an int index or a variable name")
                 elif kind == "blocks":
-                    if not (isinstance(arg, dict) and isinstance(arg.get("parts"), int) and arg["parts"] > 0
-                            and isinstance(arg.get("order"), list)
-                            and all(isinstance(o, int) and 0 <= o < arg["parts"] for o in arg["order"])):
+                    if not (
+                        isinstance(arg, dict)
+                        and isinstance(arg.get("parts"), int)
+                        and arg["parts"] > 0
+                        and isinstance(arg.get("order"), list)
+                        and all(isinstance(o, int) and 0 <= o < arg["parts"] for o in arg["order"])
+                    ):
                         raise _bad(where, "blocks needs parts > 0 and an order of block indices")
                 elif kind in ("permute", "transpose"):
                     if not (isinstance(arg, list) and all(isinstance(x, int) for x in arg)):
@@ -186,13 +195,16 @@ class MappingSpec:
                 elif kind not in ("unflatten", "trim_vocab"):
                     raise _bad(where, f"unknown op {kind!r}")
                 if kind in ("take", "blocks", "trim_vocab", "unflatten") and not isinstance(
-                        (arg or {}).get("dim", 0), int):
+                    (arg or {}).get("dim", 0), int
+                ):
                     raise _bad(where, f"{kind} dim must be an int")
             native_vars = set(_VAR.findall(r["native"]))
             hf_vars = set(_VAR.findall(r["hf"]))
             if hf_vars != native_vars | set(take_vars) or native_vars & set(take_vars):
                 raise _bad(where, "HF placeholders must be the native ones plus the take variables")
-            rules.append(_Rule(r["native"], r["hf"], ops, _pattern(r["native"]), _pattern(r["hf"]), take_vars))
+            rules.append(
+                _Rule(r["native"], r["hf"], ops, _pattern(r["native"]), _pattern(r["hf"]), take_vars)
+            )
         if not rules:
             raise _bad(source, 'no "tensors" rules')
         vocab = raw.get("vocab") or {}
@@ -245,8 +257,16 @@ def hf_expert_layout() -> str | None:
     experts = getattr(modeling_olmoe, "OlmoeExperts", None)
     if experts is None:
         return "per_expert"
-    cfg = OlmoeConfig(vocab_size=8, hidden_size=8, intermediate_size=4, num_hidden_layers=1,
-                      num_attention_heads=1, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1)
+    cfg = OlmoeConfig(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+    )
     with torch.device("meta"):
         names = {n for n, _ in experts(cfg).named_parameters()}
     return "fused" if "gate_up_proj" in names else "per_expert"
@@ -285,7 +305,9 @@ class NativeSource:
     also_saved: list[str] = field(default_factory=list)
     chunk_kinds: dict[str, int] = field(default_factory=dict)
 
-    def pieces(self, off: Sequence[int], size: Sequence[int]) -> list[tuple[list[int], list[int], int, list[int]]]:
+    def pieces(
+        self, off: Sequence[int], size: Sequence[int]
+    ) -> list[tuple[list[int], list[int], int, list[int]]]:
         """Core target pieces filling a dense buffer of box `size` at `off` (logical coords)."""
         off, size = [int(x) for x in off], [int(x) for x in size]
         if tuple(self.saved_shape) == tuple(self.shape):
@@ -384,13 +406,14 @@ def _apply_shape(op: Op, shape: tuple[int, ...], vocab: int | None, where: str) 
     elif op.kind == "trim_vocab" and vocab is not None:
         if vocab > s[op.dim]:
             raise InvalidArgumentError(
-                f"{where}: saved vocab size {vocab} exceeds the tensor's {s[op.dim]} rows")
+                f"{where}: saved vocab size {vocab} exceeds the tensor's {s[op.dim]} rows"
+            )
         s[op.dim] = vocab
     return tuple(s)
 
 
 def _concrete(op: dict[str, Any], vars: Mapping[str, int], ndim: int) -> Op:
-    (kind, arg), = op.items()
+    ((kind, arg),) = op.items()
     if kind == "take":
         idx = arg["index"]
         return Op("take", dim=int(arg.get("dim", 0)), index=int(vars[idx]) if isinstance(idx, str) else idx)
@@ -406,7 +429,9 @@ def _concrete(op: dict[str, Any], vars: Mapping[str, int], ndim: int) -> Op:
     return Op("trim_vocab", dim=int((arg or {}).get("dim", 0)))
 
 
-def _unflatten_shape(op: dict[str, Any], shape: tuple[int, ...], dims: Mapping[str, int], where: str) -> tuple[int, ...]:
+def _unflatten_shape(
+    op: dict[str, Any], shape: tuple[int, ...], dims: Mapping[str, int], where: str
+) -> tuple[int, ...]:
     arg = op["unflatten"]
     d = int(arg.get("dim", 0))
     sizes = []
@@ -427,8 +452,9 @@ def _unflatten_shape(op: dict[str, Any], shape: tuple[int, ...], dims: Mapping[s
     return tuple(shape[:d]) + tuple(sizes) + tuple(shape[d + 1 :])
 
 
-def _expand(rule: _Rule, vars: dict[str, int], shape0: tuple[int, ...], vocab: int | None,
-            where: str) -> list[tuple[dict[str, int], list[Op], list[tuple[int, ...]]]]:
+def _expand(
+    rule: _Rule, vars: dict[str, int], shape0: tuple[int, ...], vocab: int | None, where: str
+) -> list[tuple[dict[str, int], list[Op], list[tuple[int, ...]]]]:
     """Every concrete instance of `rule` (one per value of its take variables)."""
     ops = [o for o in rule.ops if "unflatten" not in o]
     out = []
@@ -438,7 +464,7 @@ def _expand(rule: _Rule, vars: dict[str, int], shape0: tuple[int, ...], vocab: i
             out.append((dict(vs), list(done), list(shapes)))
             return
         raw = ops[i]
-        (kind, arg), = raw.items()
+        ((kind, arg),) = raw.items()
         if kind == "take" and isinstance(arg["index"], str):
             var = arg["index"]
             n = shapes[-1][int(arg.get("dim", 0))] if int(arg.get("dim", 0)) < len(shapes[-1]) else 0
@@ -481,7 +507,9 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
         if role not in roles:
             ignored[role] = ignored.get(role, 0) + 1
             continue
-        names = [(t_i, n) for t_i, n in _native_keys(spec, key) if any(r.native_re.match(n) for r in spec.rules)]
+        names = [
+            (t_i, n) for t_i, n in _native_keys(spec, key) if any(r.native_re.match(n) for r in spec.rules)
+        ]
         if not names:
             problems.append(f"{key}: saved {role} tensor that no mapping rule covers")
             continue
@@ -502,8 +530,9 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
         kinds: dict[str, int] = {}
         for ch in manifest.chunks(i):
             kinds[ch[0]] = kinds.get(ch[0], 0) + 1
-        sources[name] = NativeSource(name, data_key, i, torch_dtype(dtype), tuple(sshape), logical,
-                                     keys[1:], kinds)
+        sources[name] = NativeSource(
+            name, data_key, i, torch_dtype(dtype), tuple(sshape), logical, keys[1:], kinds
+        )
     dims: dict[str, int] = {}
     for dname, d in spec.dims.items():
         src = sources.get(d.get("native", ""))
@@ -543,8 +572,12 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
         if not matched:
             problems.append(f"{src.key}: no mapping rule matches {name!r}")
     rows = vocab if vocab is not None else plan.padded_vocab_size
-    plan.derived = {"layers": len(layers), "vocab": rows if rows is not None else -1, **{
-        f"count:{k}": len(v) for k, v in take_counts.items()}, **{f"dim:{k}": v for k, v in dims.items()}}
+    plan.derived = {
+        "layers": len(layers),
+        "vocab": rows if rows is not None else -1,
+        **{f"count:{k}": len(v) for k, v in take_counts.items()},
+        **{f"dim:{k}": v for k, v in dims.items()},
+    }
     plan.natives = {n: (s.saved_shape, s.shape) for n, s in sources.items()}
     _check_plan(plan)
     return plan
@@ -584,7 +617,11 @@ def _check_plan(plan: TensorPlan) -> None:
                 continue
             for op, shp in zip(e.ops, e.shapes, strict=False):
                 if op.kind == "trim_vocab":
-                    want = want // shp[op.dim] * (plan.vocab_size if plan.vocab_size is not None else shp[op.dim])
+                    want = (
+                        want
+                        // shp[op.dim]
+                        * (plan.vocab_size if plan.vocab_size is not None else shp[op.dim])
+                    )
             boxes.extend((o, s) for o, s, _ in scatter_planned(e, [0] * len(e.shape), list(e.shape), None))
         got = sum(_numel(s) for _, s in boxes)
         overlap = _overlap(boxes)
@@ -608,8 +645,12 @@ def _overlap(boxes: list[tuple[list[int], list[int]]]) -> str | None:
 # --- reading (native -> HF) and scattering (HF -> native) boxes --------------------------------
 
 
-def read_planned(e: Planned, off: Sequence[int], size: Sequence[int],
-                 load: Callable[[NativeSource, list[int], list[int]], torch.Tensor]) -> torch.Tensor:
+def read_planned(
+    e: Planned,
+    off: Sequence[int],
+    size: Sequence[int],
+    load: Callable[[NativeSource, list[int], list[int]], torch.Tensor],
+) -> torch.Tensor:
     """Box `off`/`size` of HF tensor `e`, built from native boxes fetched with `load`."""
 
     def rec(k: int, off: list[int], size: list[int]) -> torch.Tensor:
@@ -619,7 +660,7 @@ def read_planned(e: Planned, off: Sequence[int], size: Sequence[int],
         op, in_shape = e.ops[k - 1], e.shapes[k - 1]
         if op.kind == "take":
             d = op.dim
-            return rec(k - 1, off[:d] + [op.index] + off[d:], size[:d] + [1] + size[d:]).select(d, 0)
+            return rec(k - 1, [*off[:d], op.index, *off[d:]], [*size[:d], 1, *size[d:]]).select(d, 0)
         if op.kind == "blocks":
             parts = []
             for src_off, seg_off, seg_size in _segments(op, in_shape, off[op.dim], size[op.dim]):
@@ -650,8 +691,9 @@ def _segments(op: Op, in_shape: Sequence[int], a: int, n: int) -> list[tuple[int
     return out
 
 
-def scatter_planned(e: Planned, off: Sequence[int], size: Sequence[int],
-                    data: torch.Tensor | None) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
+def scatter_planned(
+    e: Planned, off: Sequence[int], size: Sequence[int], data: torch.Tensor | None
+) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
     """Where box `off`/`size` of HF tensor `e` (holding `data`, or None for boxes only) lands in
     the native tensor: `(offsets, sizes, data)` boxes of stage 0."""
 
@@ -661,8 +703,12 @@ def scatter_planned(e: Planned, off: Sequence[int], size: Sequence[int],
         op, in_shape = e.ops[k - 1], e.shapes[k - 1]
         if op.kind == "take":
             d = op.dim
-            return rec(k - 1, off[:d] + [op.index] + off[d:], size[:d] + [1] + size[d:],
-                       None if x is None else x.unsqueeze(d))
+            return rec(
+                k - 1,
+                [*off[:d], op.index, *off[d:]],
+                [*size[:d], 1, *size[d:]],
+                None if x is None else x.unsqueeze(d),
+            )
         if op.kind == "blocks":
             out = []
             for src_off, seg_off, seg_size in _segments(op, in_shape, off[op.dim], size[op.dim]):
@@ -685,9 +731,10 @@ def scatter_planned(e: Planned, off: Sequence[int], size: Sequence[int],
 # --- import planning (HF names -> native tensors) ---------------------------------------------
 
 
-def _invert_shape(op_raw: dict[str, Any], shape: tuple[int, ...], counts: Mapping[str, int],
-                  pad_multiple: int, where: str) -> tuple[int, ...]:
-    (kind, arg), = op_raw.items()
+def _invert_shape(
+    op_raw: dict[str, Any], shape: tuple[int, ...], counts: Mapping[str, int], pad_multiple: int, where: str
+) -> tuple[int, ...]:
+    ((kind, arg),) = op_raw.items()
     s = list(shape)
     if kind == "take":
         d = int(arg.get("dim", 0))
@@ -713,8 +760,9 @@ def _invert_shape(op_raw: dict[str, Any], shape: tuple[int, ...], counts: Mappin
     return tuple(s)
 
 
-def plan_import(hf_shapes: Mapping[str, tuple[int, ...]], spec: MappingSpec, *,
-                pad_multiple: int | None = None) -> TensorPlan:
+def plan_import(
+    hf_shapes: Mapping[str, tuple[int, ...]], spec: MappingSpec, *, pad_multiple: int | None = None
+) -> TensorPlan:
     """How each HF tensor lands in the native tensors `spec` names (native shapes inferred from
     the HF shapes; vocab padded to `pad_multiple`, default the spec's). Problems (unmapped HF
     tensors, inconsistent shapes, gaps) are collected."""
@@ -761,22 +809,23 @@ def plan_import(hf_shapes: Mapping[str, tuple[int, ...]], spec: MappingSpec, *,
             if rule.ops and "unflatten" in rule.ops[0]:
                 d = int(rule.ops[0]["unflatten"].get("dim", 0))
                 k = len(rule.ops[0]["unflatten"]["sizes"])
-                saved_shape = s[:d] + (_numel(s[d : d + k]),) + s[d + k :]
+                saved_shape = (*s[:d], _numel(s[d : d + k]), *s[d + k :])
         if len(shape0s) != 1:
             problems.append(f"{native}: HF tensors imply different shapes {sorted(shape0s)}")
             continue
         (shape0,) = shape0s
         for name, rule, vars in members:
             try:
-                (vs, ops, shapes), = _expand(rule, vars, shape0, vocab, name)
+                ((_vs, ops, shapes),) = _expand(rule, vars, shape0, vocab, name)
             except InvalidArgumentError as exc:
                 problems.append(str(exc))
                 continue
             if shapes[-1] != tuple(hf_shapes[name]):
                 problems.append(f"{name}: shape {tuple(hf_shapes[name])}, mapping implies {shapes[-1]}")
                 continue
-            src = NativeSource(native, spec.import_prefix + native, -1, torch.float32,
-                               saved_shape or shape0, shape0)
+            src = NativeSource(
+                native, spec.import_prefix + native, -1, torch.float32, saved_shape or shape0, shape0
+            )
             plan.entries.append(Planned(name, native, ops, shapes, src, rule.hf))
         plan.natives[native] = (saved_shape or shape0, shape0)
     plan.vocab_size = vocab

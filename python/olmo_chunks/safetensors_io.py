@@ -8,6 +8,7 @@ here work in bounded memory: nothing holds a whole tensor unless the caller asks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -95,7 +96,7 @@ def contiguous_boxes(shape: Sequence[int], max_elems: int) -> Iterator[tuple[lis
                 yield prefix + [start] + [0] * (len(shape) - dim - 1), [1] * dim + [size] + shape[dim + 1 :]
         else:
             for i in range(n):
-                yield from rec(prefix + [i], dim + 1)
+                yield from rec([*prefix, i], dim + 1)
 
     yield from rec([], 0)
 
@@ -167,12 +168,15 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
         want = _numel(shape) * _ST_DTYPES[dt].itemsize
         if offs[1] - offs[0] != want:
             raise CorruptCheckpointError(
-                f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes, shape {shape} {dt} needs {want}")
+                f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes, shape {shape} {dt} needs {want}"
+            )
         spans.append((offs[0], offs[1], name))
     end = 0
     for a, b, name in sorted(spans):
         if a != end:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} starts at {a}, expected {end} (gap or overlap)")
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} starts at {a}, expected {end} (gap or overlap)"
+            )
         end = b
     if data_start + end != size:
         raise CorruptCheckpointError(f"{path}: data section is {size - data_start} bytes, header says {end}")
@@ -199,7 +203,9 @@ class SafetensorsDir:
             try:
                 index = json.loads(index_path.read_text())
                 weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()
+                ):
                     raise TypeError("weight_map is not a name -> file object")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CorruptCheckpointError(f"{index_path}: bad index ({exc})") from None
@@ -222,7 +228,9 @@ class SafetensorsDir:
                 t = HFTensor(name, _ST_DTYPES[e["dtype"]], tuple(e["shape"]), fpath, data_start + a, b - a)
                 if name in self.tensors:
                     self.duplicates.setdefault(name, [self.tensors[name].file.name]).append(fname)
-                    self.problems.append(f"{name}: stored more than once ({', '.join(self.duplicates[name])})")
+                    self.problems.append(
+                        f"{name}: stored more than once ({', '.join(self.duplicates[name])})"
+                    )
                     continue
                 self.tensors[name] = t
         if weight_map is not None:
@@ -234,7 +242,9 @@ class SafetensorsDir:
                     self.problems.append(f"{name}: index says {fname}, stored in {t.file.name}")
             for name in self.tensors:
                 if name not in weight_map:
-                    self.problems.append(f"{name}: stored in {self.tensors[name].file.name} but not in the index")
+                    self.problems.append(
+                        f"{name}: stored in {self.tensors[name].file.name} but not in the index"
+                    )
             for p in sorted(self.path.glob("*.safetensors")):
                 if p.name not in files:
                     self.problems.append(f"{p.name}: a safetensors file the index does not name")
@@ -396,8 +406,6 @@ class ShardedWriter:
     def abort(self) -> None:
         """Closes the files without writing an index."""
         for fd in self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._fds = []

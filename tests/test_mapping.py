@@ -1,0 +1,234 @@
+"""Mapping specs: layout ops against a brute-force torch oracle, reshaped native reads through the
+core, coverage checks and spec validation."""
+
+from __future__ import annotations
+
+import json
+
+import olmo_chunks
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from olmo_chunks import _core
+from olmo_chunks.errors import InvalidArgumentError
+from olmo_chunks.mapping import (
+    BUILTIN_MAPPINGS,
+    MappingSpec,
+    NativeSource,
+    Op,
+    Planned,
+    _apply_shape,
+    _runs,
+    plan_export,
+    plan_import,
+    read_planned,
+    scatter_planned,
+)
+
+
+def oracle(x: torch.Tensor, ops: list[Op], vocab: int | None) -> torch.Tensor:
+    """The HF tensor from the whole native tensor, op by op with plain torch."""
+    for op in ops:
+        if op.kind == "take":
+            x = x.select(op.dim, op.index)
+        elif op.kind == "blocks":
+            parts = x.chunk(op.parts, op.dim)
+            x = torch.cat([parts[o] for o in op.order], op.dim)
+        elif op.kind == "permute":
+            x = x.permute(op.perm)
+        elif vocab is not None:
+            x = x.narrow(op.dim, 0, vocab)
+    return x
+
+
+@st.composite
+def pipelines(draw):
+    """A native shape, a random op pipeline over it, and a box of the result."""
+    ndim = draw(st.integers(1, 3))
+    shape = [draw(st.integers(1, 4)) * (2 if i == 0 else 1) for i in range(ndim)]
+    vocab = None
+    ops: list[Op] = []
+    cur = tuple(shape)
+    if draw(st.booleans()):
+        vocab = draw(st.integers(1, cur[0]))
+        ops.append(Op("trim_vocab", dim=0))
+        cur = _apply_shape(ops[-1], cur, vocab, "")
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["take", "blocks", "permute"]))
+        if kind == "take" and len(cur) > 1:
+            d = draw(st.integers(0, len(cur) - 1))
+            op = Op("take", dim=d, index=draw(st.integers(0, cur[d] - 1)))
+        elif kind == "blocks":
+            d = draw(st.integers(0, len(cur) - 1))
+            parts = draw(st.sampled_from([p for p in (1, 2, 3) if cur[d] % p == 0]))
+            order = tuple(draw(st.lists(st.integers(0, parts - 1), min_size=1, max_size=parts)))
+            op = Op("blocks", dim=d, parts=parts, order=order)
+        elif kind == "permute":
+            op = Op("permute", perm=tuple(draw(st.permutations(range(len(cur))))))
+        else:
+            continue
+        ops.append(op)
+        cur = _apply_shape(op, cur, vocab, "")
+    off = [draw(st.integers(0, n - 1)) for n in cur]
+    size = [draw(st.integers(1, n - o)) for n, o in zip(cur, off, strict=True)]
+    return shape, vocab, ops, off, size
+
+
+def _planned(shape, vocab, ops) -> Planned:
+    shapes = [tuple(shape)]
+    for op in ops:
+        shapes.append(_apply_shape(op, shapes[-1], vocab, ""))
+    src = NativeSource("n", "n", 0, torch.float32, tuple(shape), tuple(shape))
+    return Planned("h", "n", ops, shapes, src)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pipelines())
+def test_read_box_matches_oracle(case):
+    shape, vocab, ops, off, size = case
+    x = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    e = _planned(shape, vocab, ops)
+    full = oracle(x, ops, vocab)
+    assert tuple(full.shape) == e.shape
+
+    def load(src, o, s):
+        return x[tuple(slice(a, a + b) for a, b in zip(o, s, strict=True))].clone()
+
+    got = read_planned(e, off, size, load)
+    want = full[tuple(slice(a, a + b) for a, b in zip(off, size, strict=True))]
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pipelines())
+def test_scatter_inverts_read(case):
+    """Scattering an HF box puts every element back where the oracle took it from."""
+    shape, vocab, ops, off, size = case
+    x = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    e = _planned(shape, vocab, ops)
+    box = oracle(x, ops, vocab)[tuple(slice(a, a + b) for a, b in zip(off, size, strict=True))]
+    native = torch.full(shape, -1.0)
+    for o, s, d in scatter_planned(e, off, size, box):
+        native[tuple(slice(a, a + b) for a, b in zip(o, s, strict=True))] = d
+    hit = native >= 0
+    assert torch.equal(native[hit], x[hit])
+    # Distinct source elements unless a blocks op repeats a block.
+    if all(len(set(op.order)) == len(op.order) for op in ops if op.kind == "blocks"):
+        assert int(hit.sum()) == box.numel()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_runs_match_brute_force(shape, data):
+    off = [data.draw(st.integers(0, n - 1)) for n in shape]
+    size = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, off, strict=True)]
+    x = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    want = x[tuple(slice(a, a + b) for a, b in zip(off, size, strict=True))].reshape(-1)
+    got = torch.cat([torch.arange(start, start + n) for start, n, _ in _runs(shape, off, size)])
+    assert torch.equal(got, want)
+    locs = [loc for _, _, loc in _runs(shape, off, size)]
+    assert locs == sorted(locs) and locs[0] == 0
+
+
+def test_reshaped_native_reads_through_core(tmp_path):
+    """A router saved flat [E*D] is read as [E, D] boxes straight from the chunk store, whatever
+    its chunks (here two flat ranges and a box)."""
+    w = torch.arange(6 * 5, dtype=torch.float32)
+    olmo_chunks.save(
+        {"model": {"blocks": {"0": {"feed_forward_moe": {"router": {"weight": w}}}}}}, tmp_path / "c"
+    )
+    m = _core.Manifest.open(str(tmp_path / "c"))
+    src = NativeSource("r", "model.blocks.0.feed_forward_moe.router.weight", 0, torch.float32, (30,), (6, 5))
+    buf = torch.empty(3, 2)
+    m.load([(0, src.pieces([2, 1], [3, 2]), 0)], [(buf.data_ptr(), buf.numel() * 4)])
+    assert torch.equal(buf, w.reshape(6, 5)[2:5, 1:3])
+
+
+def _spec(**over) -> str:
+    raw = {
+        "format": "olmo-chunks-mapping/1",
+        "name": "t",
+        "tensors": [{"native": "a.{layer}", "hf": "b.{layer}"}],
+    }
+    raw.update(over)
+    return json.dumps(raw)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        json.dumps({"tensors": []}),
+        _spec(tensors=[]),
+        _spec(tensors=[{"native": "a", "hf": "b", "ops": [{"explode": {}}]}]),
+        _spec(tensors=[{"native": "a", "hf": "b.{expert}", "ops": []}]),
+        _spec(tensors=[{"native": "a", "hf": "b", "ops": [{"take": {"dim": 0, "index": "e"}}]}]),
+        _spec(
+            tensors=[{"native": "a", "hf": "b", "ops": [{"permute": [0]}, {"unflatten": {"sizes": [2, -1]}}]}]
+        ),
+        _spec(
+            tensors=[{"native": "a", "hf": "b", "ops": [{"blocks": {"dim": 0, "parts": 2, "order": [2]}}]}]
+        ),
+        _spec(native_keys=["model.x"]),
+    ],
+)
+def test_bad_specs_are_refused(bad):
+    with pytest.raises(InvalidArgumentError, match="mapping spec"):
+        MappingSpec.parse(bad)
+
+
+def test_builtins_parse_and_unknown_name_is_refused():
+    for name in BUILTIN_MAPPINGS:
+        assert MappingSpec.load(name).name == name
+    with pytest.raises(InvalidArgumentError, match="neither a built-in"):
+        MappingSpec.load("no-such-mapping")
+
+
+def test_inexact_coverage_is_a_problem(tmp_path):
+    """A spec that exports only the gate half of w_up_gate, or the same half twice, is refused
+    before anything is written."""
+    olmo_chunks.save({"w": torch.zeros(2, 4, 3)}, tmp_path / "c")
+    m = _core.Manifest.open(str(tmp_path / "c"))
+    half = _spec(
+        tensors=[
+            {
+                "native": "w",
+                "hf": "g.{expert}",
+                "ops": [
+                    {"take": {"dim": 0, "index": "expert"}},
+                    {"blocks": {"dim": 0, "parts": 2, "order": [1]}},
+                ],
+            }
+        ]
+    )
+    plan = plan_export(m, MappingSpec.parse(half))
+    assert any("does not cover it exactly once (12 of 24" in p for p in plan.problems)
+    twice = _spec(
+        tensors=[{"native": "w", "hf": "g", "ops": [{"blocks": {"dim": 1, "parts": 2, "order": [0, 0]}}]}]
+    )
+    plan = plan_export(m, MappingSpec.parse(twice))
+    assert any("overlapping" in p or "12 of 24" in p for p in plan.problems)
+
+
+def test_import_plan_infers_native_shapes():
+    spec = MappingSpec.load("olmoe")
+    shapes = {"model.embed_tokens.weight": (100, 8), "lm_head.weight": (100, 8), "model.norm.weight": (8,)}
+    for e in range(3):
+        shapes[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = (4, 8)
+        shapes[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = (4, 8)
+        shapes[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = (8, 4)
+    shapes["model.layers.0.mlp.gate.weight"] = (3, 8)
+    plan = plan_import(shapes, spec)
+    assert not plan.problems, plan.problems
+    assert plan.natives["embeddings.weight"] == ((128, 8), (128, 8))
+    assert plan.natives["blocks.0.feed_forward_moe.experts.w_up_gate"][0] == (3, 8, 8)
+    assert plan.natives["blocks.0.feed_forward_moe.experts.w_down"][0] == (3, 4, 8)
+    assert plan.natives["blocks.0.feed_forward_moe.router.weight"] == ((24,), (3, 8))
+    del shapes["model.layers.0.mlp.experts.1.up_proj.weight"]
+    shapes["model.layers.0.bogus.weight"] = (1,)
+    problems = plan_import(shapes, spec).problems
+    assert any(
+        p.startswith("model.layers.0.bogus.weight: HF tensor that no mapping rule covers") for p in problems
+    )
+    assert any("w_up_gate: the mapping does not cover it exactly once" in p for p in problems)
