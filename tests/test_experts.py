@@ -7,6 +7,7 @@ import math
 import olmo_chunks as oc
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from olmo_chunks import roles
@@ -247,3 +248,34 @@ def test_expert_count_or_role_change_is_a_conversion(tmp_path):
     results = world.run(WORLD, _load_other_model, path, 4, roles.EXP_AVG_SQ)
     assert {r[0] for r in results} == {"MismatchError"}
     assert all(r[1] == [r[1][0]] and "role=exp_avg" in r[1][0] for r in results)
+
+
+class _TwoBlocks:
+    """One process standing in for two EP-MP ranks: both flat ranges over one storage, so the
+    checkpoint has exactly the chunks an EP-MP-8 save writes."""
+
+    def __init__(self, a: ExpertLayout, b: ExpertLayout, storage: torch.Tensor) -> None:
+        self.a, self.b, self.storage = a, b, storage
+
+    def tensor_shard(self):
+        from olmo_chunks.shards import TensorShard
+
+        (sa, na), (sb, nb) = self.a.flat_range, self.b.flat_range
+        return TensorShard(self.storage.dtype, self.a.shape, self.storage, flat=[(sa, na, 0), (sb, nb, na)])
+
+
+def _ep8_to_ep4(path):
+    rank = dist.get_rank()
+    g = global_values(8 * 6, torch.float32)
+    a, b = (ExpertLayout(8, (2, 3), 2 * rank + k, 8) for k in (0, 1))
+    storage = torch.cat([oracle_slice(g, a), oracle_slice(g, b)])
+    oc.save({"w": _TwoBlocks(a, b, storage)}, path)
+    lo = ExpertLayout(8, (2, 3), rank, 4)
+    got = torch.full((lo.local_numel,), float("nan"))
+    oc.load({"w": lo.view(got)}, path)
+    return torch.equal(got, oracle_slice(g, lo)), len(oc._core.Manifest.open(path).chunks(0))
+
+
+def test_ep8_to_ep4(tmp_path):
+    out = world.run(WORLD, _ep8_to_ep4, str(tmp_path / "ck"))
+    assert out == [(True, 8)] * WORLD

@@ -6,16 +6,22 @@ from . import errors, roles
 from ._core import FORMAT_VERSION, MANIFEST_NAME
 from .checkpoint import LoadReport, load, save
 from .errors import *  # noqa: F403
+from .experts import ExpertFlatView, ExpertLayout
 from .shards import ChunkSource, TensorShard
+from .trainer_state import TrainerState, load_trainer_state
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "ChunkSource",
+    "ExpertFlatView",
+    "ExpertLayout",
     "LoadReport",
     "TensorShard",
+    "TrainerState",
     "errors",
     "load",
+    "load_trainer_state",
     "roles",
     "save",
     *errors.__all__,
