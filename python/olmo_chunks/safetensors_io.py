@@ -75,6 +75,14 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= int(d)
+    return out[::-1]
+
+
 def contiguous_boxes(shape: Sequence[int], max_elems: int) -> Iterator[tuple[list[int], list[int]]]:
     """Boxes `(offsets, sizes)` that tile `shape` in row-major order, each a contiguous run of at
     most `max_elems` elements (at least one element) of the canonical order."""
@@ -271,6 +279,16 @@ class SafetensorsDir:
             raise InvalidArgumentError(f"{name}: box {list(offsets)}+{list(sizes)} outside shape {shape}")
         if not shape:
             return self._read_rows(t, 0, 1).reshape(())
+        if 0 in sizes:
+            return torch.empty(list(sizes), dtype=t.dtype)
+        # A box that is one run of the row-major order is read exactly; any other box reads the
+        # rows it spans and slices them.
+        j = len(shape) - 1
+        while j > 0 and sizes[j] == shape[j]:
+            j -= 1
+        if all(s == 1 for s in sizes[:j]):
+            start = sum(o * st for o, st in zip(offsets, _strides(shape), strict=True))
+            return self._read_rows(t, start, _numel(sizes)).reshape(list(sizes))
         inner = _numel(shape[1:])
         rows = self._read_rows(t, offsets[0] * inner, sizes[0] * inner).reshape([sizes[0], *shape[1:]])
         idx = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
