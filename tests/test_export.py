@@ -680,3 +680,26 @@ def test_export_peak_rss_bounded_by_budget(tmp_path):
     out = SafetensorsDir(tmp_path / "out")
     assert out.tensors["model.layers.1.mlp.down_proj.weight"].shape == (d, ffn)
     assert out.read_box("model.embed_tokens.weight", [0, 0], [500, d]).shape == (500, d)
+
+
+def test_round_trip_without_transformers_uses_the_files(moe, monkeypatch):
+    root, _ = moe
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
+    report = validate_conversion(root / "native", root / "oracle")
+    rt = report["passes"]["round_trip"]
+    assert report["ok"] and rt["hf_model"] == "safetensors files (transformers not installed)"
+    assert rt["model_mapping"]["name"] == "olmoe" and len(rt["tensors"]) == len(olmoe_hf_oracle(olmoe_native()))
+
+
+def test_import_refuses_unmapped_and_inconsistent_hf_tensors(moe, tmp_path):
+    _, t = moe
+    tensors = olmoe_hf_oracle(t)
+    tensors["model.layers.0.mlp.shared_expert.weight"] = torch.ones(2)
+    write_hf(tmp_path / "a", tensors, hf_config())
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.shared_expert\.weight: HF tensor that no"):
+        import_hf(tmp_path / "a", tmp_path / "n1", mapping="olmoe")
+    tensors = olmoe_hf_oracle(t)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:90]
+    write_hf(tmp_path / "b", tensors, hf_config())
+    assert main(["import-hf", str(tmp_path / "b"), str(tmp_path / "n2")]) == 1
+    assert not (tmp_path / "n2" / "olmo_chunks.manifest").exists()
