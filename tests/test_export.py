@@ -688,7 +688,9 @@ def test_round_trip_without_transformers_uses_the_files(moe, monkeypatch):
     report = validate_conversion(root / "native", root / "oracle")
     rt = report["passes"]["round_trip"]
     assert report["ok"] and rt["hf_model"] == "safetensors files (transformers not installed)"
-    assert rt["model_mapping"]["name"] == "olmoe" and len(rt["tensors"]) == len(olmoe_hf_oracle(olmoe_native()))
+    assert rt["model_mapping"]["name"] == "olmoe" and len(rt["tensors"]) == len(
+        olmoe_hf_oracle(olmoe_native())
+    )
 
 
 def test_import_refuses_unmapped_and_inconsistent_hf_tensors(moe, tmp_path):
@@ -696,7 +698,9 @@ def test_import_refuses_unmapped_and_inconsistent_hf_tensors(moe, tmp_path):
     tensors = olmoe_hf_oracle(t)
     tensors["model.layers.0.mlp.shared_expert.weight"] = torch.ones(2)
     write_hf(tmp_path / "a", tensors, hf_config())
-    with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.shared_expert\.weight: HF tensor that no"):
+    with pytest.raises(
+        ConversionError, match=r"model\.layers\.0\.mlp\.shared_expert\.weight: HF tensor that no"
+    ):
         import_hf(tmp_path / "a", tmp_path / "n1", mapping="olmoe")
     tensors = olmoe_hf_oracle(t)
     tensors["lm_head.weight"] = tensors["lm_head.weight"][:90]
