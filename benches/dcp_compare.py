@@ -78,20 +78,21 @@ def _worker(rank: int, size: int, rendezvous: str, root: str, total_mb: int, rep
             None,
         ),
     }
-    results = {}
-    for name, (writer, reader, planner) in cases.items():
-        path = os.path.join(root, name.replace("(", "_").replace(")", "").replace("=", ""))
-        saves, loads = [], []
-        for _ in range(reps):
+    saves: dict[str, list[float]] = {name: [] for name in cases}
+    loads: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(reps):  # backends interleaved, so drifting machine load hits them alike
+        for name, (writer, reader, planner) in cases.items():
+            path = os.path.join(root, name.replace("(", "_").replace(")", "").replace("=", ""))
             w = writer(path)
-            saves.append(_timed(lambda w=w: dcp.save(src, storage_writer=w)))
+            saves[name].append(_timed(lambda w=w: dcp.save(src, storage_writer=w)))
             dst, r, p = _state(mesh, total_mb, 1, False), reader(path), planner() if planner else None
-            loads.append(_timed(lambda dst=dst, r=r, p=p: dcp.load(dst, storage_reader=r, planner=p)))
-        want = _state(mesh, total_mb, 1, True)
-        assert all(torch.equal(dst[k].to_local(), want[k].to_local()) for k in want), name
-        results[name] = (gb / min(saves), gb / min(loads))
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+            loads[name].append(_timed(lambda dst=dst, r=r, p=p: dcp.load(dst, storage_reader=r, planner=p)))
+            want = _state(mesh, total_mb, 1, True)
+            assert all(torch.equal(dst[k].to_local(), want[k].to_local()) for k in want), name
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    results = {name: (gb / min(saves[name]), gb / min(loads[name])) for name in cases}
     if rank == 0:
         out.update(results)
         out["bytes"] = gb * 1e9
