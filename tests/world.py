@@ -117,7 +117,7 @@ class _World:
         self.owner = os.getpid()
         self.tmpdir = tempfile.mkdtemp(prefix=f"olmo-chunks-world{size}-")
         rendezvous = os.path.join(self.tmpdir, "rendezvous")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conns: list[mpc.Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:
@@ -222,6 +222,17 @@ class _World:
             conn.close()
         self.conns, self.procs = [], []
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _context() -> mp.context.BaseContext:
+    """Workers fork from a server that has imported torch once (it is single-threaded then), which
+    saves each worker the seconds of importing torch itself; fresh interpreters where there is no
+    forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "olmo_chunks"])
+    return ctx
 
 
 @contextlib.contextmanager
