@@ -131,8 +131,10 @@ def test_view_aliases_storage_and_describes_one_flat_range():
     shard = view.tensor_shard()
     assert isinstance(view, oc.ChunkSource)
     assert shard.shape == (4, 2, 3) and shard.role == roles.EXP_AVG
-    assert shard.flat == [(12 + 6, 6, 4)]
-    assert shard.local is storage
+    assert shard.flat == [(12 + 6, 6, 0)]
+    # Exactly the view's elements of the live storage: no copy, and nothing beyond the view.
+    assert shard.local.data_ptr() == storage.data_ptr() + 4 * storage.element_size()
+    assert shard.local.numel() == 6 and shard.local.untyped_storage().data_ptr() == storage.data_ptr()
     (region, data), = shard.regions()
     assert region == ("flat", [18], [6])
     assert data.data_ptr() == storage.data_ptr() + 4 * storage.element_size()

@@ -225,9 +225,11 @@ class ExpertFlatView:
         return self.storage.reshape(-1)[self.offset : self.offset + self.layout.local_numel]
 
     def tensor_shard(self) -> TensorShard:
+        # `local` is just this view's range, so a loader staging it (e.g. from CUDA) copies back
+        # only these elements and never the rest of a larger storage.
         start, length = self.layout.flat_range
-        return TensorShard(self.storage.dtype, self.layout.shape, self.storage,
-                           flat=[(start, length, self.offset)], role=self.role)
+        return TensorShard(self.storage.dtype, self.layout.shape, self.local, flat=[(start, length, 0)],
+                           role=self.role)
 
     def __repr__(self) -> str:
         lo = self.layout
