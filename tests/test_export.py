@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import olmo_chunks
@@ -26,39 +27,55 @@ from tests import world
 V, VP, D, H, E, L = 100, 128, 32, 16, 4, 2
 
 
+@dataclass(frozen=True)
+class Geo:
+    """A tiny MoE geometry: true and padded vocab, width, expert width, experts, layers."""
+
+    v: int = V
+    vp: int = VP
+    d: int = D
+    h: int = H
+    e: int = E
+    layers: int = L
+
+
+GEO = Geo()
+
+
 # --- a native OLMo-core-style MoE checkpoint and a hand-written HF oracle ----------------------
 
 
-def olmoe_native(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full main weights of a tiny OLMo-core MoE v2 model (vocab padded to VP rows)."""
+def olmoe_native(seed: int = 0, geo: Geo = GEO) -> dict[str, torch.Tensor]:
+    """Full main weights of a tiny OLMo-core MoE v2 model (vocab padded to `vp` rows)."""
     g = torch.Generator().manual_seed(seed)
+    d, h, e = geo.d, geo.h, geo.e
 
     def r(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
 
-    t = {"embeddings.weight": r(VP, D), "lm_head.w_out.weight": r(VP, D), "lm_head.norm.weight": r(D)}
-    for i in range(L):
+    t = {"embeddings.weight": r(geo.vp, d), "lm_head.w_out.weight": r(geo.vp, d), "lm_head.norm.weight": r(d)}
+    for i in range(geo.layers):
         b = f"blocks.{i}."
         for n in ("w_q", "w_k", "w_v", "w_out"):
-            t[b + f"attention.{n}.weight"] = r(D, D)
-        t[b + "attention.q_norm.weight"] = r(D)
-        t[b + "attention.k_norm.weight"] = r(D)
-        t[b + "attention_norm.weight"] = r(D)
-        t[b + "feed_forward_norm.weight"] = r(D)
-        t[b + "feed_forward_moe.router.weight"] = r(E * D)
-        t[b + "feed_forward_moe.experts.w_up_gate"] = r(E, 2 * H, D)
-        t[b + "feed_forward_moe.experts.w_down"] = r(E, H, D)
+            t[b + f"attention.{n}.weight"] = r(d, d)
+        t[b + "attention.q_norm.weight"] = r(d)
+        t[b + "attention.k_norm.weight"] = r(d)
+        t[b + "attention_norm.weight"] = r(d)
+        t[b + "feed_forward_norm.weight"] = r(d)
+        t[b + "feed_forward_moe.router.weight"] = r(e * d)
+        t[b + "feed_forward_moe.experts.w_up_gate"] = r(e, 2 * h, d)
+        t[b + "feed_forward_moe.experts.w_down"] = r(e, h, d)
     return t
 
 
-def olmoe_hf_oracle(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def olmoe_hf_oracle(t: dict[str, torch.Tensor], geo: Geo = GEO) -> dict[str, torch.Tensor]:
     """The HF OLMoE (Hub, per-expert) tensors of `olmoe_native`, by hand."""
     out = {
-        "model.embed_tokens.weight": t["embeddings.weight"][:V],
-        "lm_head.weight": t["lm_head.w_out.weight"][:V],
+        "model.embed_tokens.weight": t["embeddings.weight"][: geo.v],
+        "lm_head.weight": t["lm_head.w_out.weight"][: geo.v],
         "model.norm.weight": t["lm_head.norm.weight"],
     }
-    for i in range(L):
+    for i in range(geo.layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
         for n, m in (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_out", "o_proj")):
             out[h + f"self_attn.{m}.weight"] = t[b + f"attention.{n}.weight"]
@@ -66,26 +83,26 @@ def olmoe_hf_oracle(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[h + "self_attn.k_norm.weight"] = t[b + "attention.k_norm.weight"]
         out[h + "input_layernorm.weight"] = t[b + "attention_norm.weight"]
         out[h + "post_attention_layernorm.weight"] = t[b + "feed_forward_norm.weight"]
-        out[h + "mlp.gate.weight"] = t[b + "feed_forward_moe.router.weight"].reshape(E, D)
-        for e in range(E):
+        out[h + "mlp.gate.weight"] = t[b + "feed_forward_moe.router.weight"].reshape(geo.e, geo.d)
+        for e in range(geo.e):
             up_gate = t[b + "feed_forward_moe.experts.w_up_gate"][e]
-            out[h + f"mlp.experts.{e}.up_proj.weight"] = up_gate[:H]
-            out[h + f"mlp.experts.{e}.gate_proj.weight"] = up_gate[H:]
+            out[h + f"mlp.experts.{e}.up_proj.weight"] = up_gate[: geo.h]
+            out[h + f"mlp.experts.{e}.gate_proj.weight"] = up_gate[geo.h :]
             out[h + f"mlp.experts.{e}.down_proj.weight"] = t[b + "feed_forward_moe.experts.w_down"][e].T
     return out
 
 
-def hf_config(model_type: str = "olmoe") -> dict:
+def hf_config(geo: Geo = GEO) -> dict:
     return {
         "architectures": ["OlmoeForCausalLM"],
-        "model_type": model_type,
-        "vocab_size": V,
-        "hidden_size": D,
-        "intermediate_size": H,
-        "num_hidden_layers": L,
+        "model_type": "olmoe",
+        "vocab_size": geo.v,
+        "hidden_size": geo.d,
+        "intermediate_size": geo.h,
+        "num_hidden_layers": geo.layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
-        "num_experts": E,
+        "num_experts": geo.e,
         "num_experts_per_tok": 2,
         "pad_token_id": 0,
         "bos_token_id": 1,
@@ -117,11 +134,16 @@ def read_hf(path: Path) -> dict[str, torch.Tensor]:
 
 
 def save_native(
-    path: Path, t: dict[str, torch.Tensor], *, moments: bool = True, flat_main: bool = False
+    path: Path,
+    t: dict[str, torch.Tensor],
+    *,
+    moments: bool = True,
+    flat_main: bool = False,
+    geo: Geo = GEO,
 ) -> None:
     """Saves like a trainer would: model weights, Adam moments, the saved architecture; with
     `flat_main` the expert master weights also live as flat 1-D optimizer tensors."""
-    state: dict = {"model": dict(t), "model_config": {"vocab_size": V, "padded_vocab_size": VP}}
+    state: dict = {"model": dict(t), "model_config": {"vocab_size": geo.v, "padded_vocab_size": geo.vp}}
     optim: dict = {}
     for k, v in t.items():
         if moments:
@@ -164,6 +186,26 @@ def test_export_matches_hand_written_oracle(moe, tmp_path):
     assert set(index["weight_map"]) == set(want) and len(set(index["weight_map"].values())) > 1
     assert index["metadata"]["olmo_chunks"]["vocab_size"] == V
     assert index["metadata"]["olmo_chunks"]["padded_vocab_size"] == VP
+
+
+@pytest.mark.parametrize(
+    "geo",
+    [Geo(v=50, vp=64, d=8, h=24, e=1, layers=1), Geo(v=257, vp=384, d=16, h=8, e=6, layers=3)],
+    ids=["1-expert-wide", "6-experts-3-layers"],
+)
+def test_other_geometries_match_the_oracle(tmp_path, geo):
+    """Other widths, expert counts and vocab paddings, exported in small budgets and validated
+    (native pass) against the hand-written oracle."""
+    t = olmoe_native(seed=11, geo=geo)
+    save_native(tmp_path / "native", t, moments=False, geo=geo)
+    export_checkpoint(tmp_path / "native", tmp_path / "hf", config=hf_config(geo), memory_budget=512)
+    got, want = read_hf(tmp_path / "hf"), olmoe_hf_oracle(t, geo)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    write_hf(tmp_path / "oracle", want, hf_config(geo))
+    report = validate_conversion(
+        tmp_path / "native", tmp_path / "oracle", round_trip=False, memory_budget=700
+    )
+    assert report["ok"], report["failures"]
 
 
 def test_validate_passes_on_oracle_and_reports(moe, tmp_path):
