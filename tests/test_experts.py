@@ -281,3 +281,46 @@ def _ep8_to_ep4(path):
 def test_ep8_to_ep4(tmp_path):
     out = world.run(WORLD, _ep8_to_ep4, str(tmp_path / "ck"))
     assert out == [(True, 8)] * WORLD
+
+
+def _inconsistent_save(path, case):
+    rank = dist.get_rank()
+    if case == "overlap":  # rank 1 thinks the block is replicated, rank 0 that it is sharded
+        lo = ExpertLayout(2, (3,), 0, 1, rank % 2, 2, sharded=rank % 2 == 0)
+    elif case == "gap":  # nobody holds EP-MP block 1
+        lo = ExpertLayout(4, (3,), 0, 2, rank % 2, 2)
+    else:  # ranks disagree on the expert count
+        lo = ExpertLayout(4 + rank, (3,), 0, 4, 0, 1)
+    try:
+        oc.save({"w": lo.view(lo.empty())}, path)
+    except oc.OlmoChunksError as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+@pytest.mark.parametrize("case, error", [("overlap", "LayoutError"), ("gap", "LayoutError"),
+                                         ("count", "MismatchError")])
+def test_inconsistent_layouts_across_ranks_are_refused(tmp_path, case, error):
+    out = world.run(2, _inconsistent_save, str(tmp_path / "ck"), case)
+    assert error in out and "saved" not in out
+    assert not (tmp_path / "ck" / oc.MANIFEST_NAME).exists()
+
+
+def _from_mesh(_):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_mp", "ep_dp"))
+    lo = ExpertLayout.from_mesh(mesh, 8, (3, 2), sharded=False)
+    only_mp = ExpertLayout.from_mesh(mesh, 8, (3, 2), ep_dp_dim=None)
+    try:
+        ExpertLayout.from_mesh(mesh, 8, (3,), ep_mp_dim="ep")
+    except InvalidArgumentError:
+        bad = "InvalidArgumentError"
+    return lo, only_mp, bad
+
+
+def test_layout_from_named_mesh():
+    for rank, (lo, only_mp, bad) in enumerate(world.run(WORLD, _from_mesh, None)):
+        assert lo == ExpertLayout(8, (3, 2), rank // 2, 2, rank % 2, 2, sharded=False)
+        assert only_mp == ExpertLayout(8, (3, 2), rank // 2, 2)
+        assert bad == "InvalidArgumentError"
