@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import warnings
 from pathlib import Path
 
 import olmo_chunks
@@ -41,7 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from tests import world
 
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+# single-process DCP calls (no_dist=True) warn that they run without a process group
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # ------------------------------------------------------------------------------------------------
 # Plain values: the DCP door groups them exactly as the native door does
