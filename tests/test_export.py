@@ -749,3 +749,16 @@ def test_import_refuses_unmapped_and_inconsistent_hf_tensors(moe, tmp_path):
     write_hf(tmp_path / "b", tensors, hf_config())
     assert main(["import-hf", str(tmp_path / "b"), str(tmp_path / "n2")]) == 1
     assert not (tmp_path / "n2" / "olmo_chunks.manifest").exists()
+
+
+def test_nonfinite_native_weights_fail_validation(tmp_path):
+    t = olmoe_native(seed=2)
+    t["blocks.0.feed_forward_moe.experts.w_down"][1, 2, 3] = float("nan")
+    save_native(tmp_path / "native", t, moments=False)
+    write_hf(tmp_path / "hf", olmoe_hf_oracle(t), hf_config())
+    report = validate_conversion(tmp_path / "native", tmp_path / "hf", round_trip=False)
+    assert report["passes"]["native"]["failures"] == [
+        "model.layers.0.mlp.experts.1.down_proj.weight: nonfinite values in the HF tensor",
+        "model.layers.0.mlp.experts.1.down_proj.weight: nonfinite values in the native tensor "
+        "model.blocks.0.feed_forward_moe.experts.w_down",
+    ]
