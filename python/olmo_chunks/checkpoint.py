@@ -213,13 +213,10 @@ def save(
     group.on_root(commit)
 
 
-def _stage(local: torch.Tensor) -> torch.Tensor | None:
-    """A CPU buffer to load through when `local` cannot take bytes directly (not on the CPU, or
-    with overlapping or negative strides); None when it can."""
-    if local.device.type == "cpu" and _dense(local):
-        return None
-    pin = local.device.type == "cuda"
-    return torch.empty(tuple(local.shape), dtype=local.dtype, pin_memory=pin)
+def _stage_needed(local: torch.Tensor) -> bool:
+    """True when `local` cannot take bytes directly: not on the CPU, or with elements sharing
+    memory."""
+    return not (local.device.type == "cpu" and _dense(local))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -238,6 +235,40 @@ def _extent_bytes(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
+def _load_tensors(manifest: _core.Manifest, saved: dict, wanted: list[tuple[str, TensorShard]],
+                  verify: bool, workers: int | None) -> None:
+    """Fills the wanted shards: CPU tensors that can take bytes directly in one batch, the rest
+    through CPU staging buffers in batches of at most STAGING_BYTES (pinned for CUDA)."""
+    direct, staged = [], []
+    for key, s in wanted:
+        (direct if _stage_needed(s.local) is False else staged).append((key, s))
+    batches = [direct] if direct else []
+    size = STAGING_BYTES
+    for item in staged:
+        nbytes = item[1].local.numel() * item[1].local.element_size()
+        if size + nbytes > STAGING_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += nbytes
+    for batch in batches:
+        targets, buffers, copies_back = [], [], []
+        for key, s in batch:
+            dest = s.local
+            if _stage_needed(s.local):
+                dest = torch.empty(tuple(s.local.shape), dtype=s.local.dtype, pin_memory=s.local.is_cuda)
+                copies_back.append((s.local, dest))
+            pieces = s.core_pieces(dest)
+            if pieces:
+                targets.append((saved[key][0], pieces, len(buffers)))
+                buffers.append((dest.data_ptr(), _extent_bytes(dest)))
+        manifest.load(targets, buffers, verify=verify, workers=workers)
+        for local, stage in copies_back:
+            local.copy_(stage, non_blocking=stage.is_pinned())
+        if any(local.is_cuda for local, _ in copies_back):
+            torch.cuda.synchronize()
 
 
 def load(
@@ -299,22 +330,9 @@ def load(
                 header=f"{path}: checkpoint does not match the state dict (a model conversion, not a reshard)",
             )
         bad = set(report.missing) | {m.split(":", 1)[0] for m in report.mismatched}
-        targets, buffers, copies_back = [], [], []
-        for key, s in shards.items():
-            if key in bad:
-                continue
-            stage = _stage(s.local)
-            dest = s.local if stage is None else stage
-            pieces = s.core_pieces(dest)
-            if pieces:
-                targets.append((saved[key][0], pieces, len(buffers)))
-                buffers.append((dest, (dest.data_ptr(), _extent_bytes(dest))))
-                if stage is not None:
-                    copies_back.append((s.local, stage))
-            report.loaded.append(key)
-        manifest.load(targets, [b for _, b in buffers], verify=verify, workers=workers)
-        for local, stage in copies_back:
-            local.copy_(stage)
+        wanted = [(key, s) for key, s in shards.items() if key not in bad]
+        _load_tensors(manifest, saved, wanted, verify, workers)
+        report.loaded.extend(key for key, _ in wanted)
         for key, leaf in leaves.items():
             if not leaf.is_tensor and key in entries:
                 if isinstance(leaf.container, tuple):
