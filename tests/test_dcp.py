@@ -206,6 +206,75 @@ def test_fast_read_items_on_a_large_2d_grid():
     assert sorted(map(_item_key, got)) == expected
 
 
+@st.composite
+def _dtensor_layouts(draw, world_size: int, n: int):
+    """`n` tensors, each (shape, mesh shape, placement specs): Replicate / Shard, uneven and empty
+    shards included (DCP describes a _StridedShard by its first index only, so none here)."""
+    meshes = [(world_size,), (1, world_size), (world_size, 1)] + (
+        [(2, world_size // 2)] if world_size % 2 == 0 else []
+    )
+    out = []
+    for _ in range(n):
+        ndim = draw(st.integers(0, 3))
+        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+        mesh = draw(st.sampled_from(meshes))
+        choices = [("R",)] + [("S", d) for d in range(ndim)]
+        specs = tuple(draw(st.lists(st.sampled_from(choices), min_size=len(mesh), max_size=len(mesh))))
+        out.append((shape, mesh, specs))
+    return out
+
+
+def _layout_state(layouts, fill: bool) -> dict:
+    sd = {}
+    for i, (shape, mesh, specs) in enumerate(layouts):
+        full = _full(shape, torch.float32, 50 + i) if fill else torch.zeros(shape)
+        placements = [Replicate() if sp[0] == "R" else Shard(sp[1]) for sp in specs]
+        sd[f"t{i}"] = distribute_tensor(full, world.mesh(mesh), placements, src_data_rank=None)
+    return sd
+
+
+def layout_save_worker(path: str, layouts) -> None:
+    dcp.save(_layout_state(layouts, True), storage_writer=ChunkStoreWriter(path))
+
+
+def planners_agree_worker(path: str, layouts) -> tuple[bool, bool, bool]:
+    """(same read items, FastLoadPlanner data right, DefaultLoadPlanner data right) on this rank."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    md = ChunkStoreReader(path).read_metadata()
+    plans = []
+    for planner in (DefaultLoadPlanner(), FastLoadPlanner()):
+        planner.set_up_planner(_layout_state(layouts, False), md, dist.get_rank() == 0)
+        plans.append(sorted(map(_item_key, planner.create_local_plan().items)))
+    ok = []
+    for planner in (FastLoadPlanner(), None):
+        sd = _layout_state(layouts, False)
+        dcp.load(sd, storage_reader=ChunkStoreReader(path), planner=planner)
+        want = _layout_state(layouts, True)
+        ok.append(all(torch.equal(sd[k].to_local(), want[k].to_local()) for k in want))
+    return plans[0] == plans[1], ok[0], ok[1]
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_fast_planner_equals_default_planner_on_random_dtensor_layouts(tmp_path_factory, data):
+    saved = data.draw(_dtensor_layouts(4, 3))
+    loaded = [
+        (shape, *rest)
+        for (shape, _, _), rest in zip(
+            saved, [(m, sp) for _, m, sp in data.draw(_dtensor_layouts(3, 3))], strict=True
+        )
+    ]
+    # same shapes on both sides; the load layout's specs must fit the shape's rank
+    loaded = [
+        (shape, mesh, tuple(sp if sp[0] == "R" or sp[1] < len(shape) else ("R",) for sp in specs))
+        for shape, mesh, specs in loaded
+    ]
+    path = str(tmp_path_factory.mktemp("layouts"))
+    world.run(4, layout_save_worker, path, saved)
+    assert world.run(3, planners_agree_worker, path, loaded) == [(True, True, True)] * 3
+
+
 # ------------------------------------------------------------------------------------------------
 # Multi-rank: one format, two front doors
 # ------------------------------------------------------------------------------------------------
