@@ -1,0 +1,644 @@
+"""Save and resharded-load throughput of olmo-chunks against torch DCP and the machine's own limits.
+
+One world of real processes (gloo) holds a synthetic OLMo-like state (dense layers and MoE experts:
+FP32 main weights, exp_avg, exp_avg_sq), saves it on N ranks in layout A and loads it on M ranks
+in layout B, for several pairs, through every contender on the same data:
+
+- `native`: `olmo_chunks.save` / `olmo_chunks.load` (experts as `ExpertFlatView`s),
+- `ours-dcp`: `dcp.save` / `dcp.load` with `ChunkStoreWriter` / `ChunkStoreReader` + `FastLoadPlanner`,
+- `dcp-fs t=K`: `dcp.save` with `FileSystemWriter(thread_count=K)` (K = 1 and the core count), and
+  `dcp.load` with `FileSystemReader`,
+- the roofline: one file per saving rank written and fsynced in parallel (raw write), and the same
+  bytes read back from the page cache into preallocated memory by the loading ranks (raw read).
+
+Loads read a checkpoint written moments before (warm page cache) for every contender alike. Every
+load is checked bit-exact on the first repetition. `olmo-chunks bench` and `benches/reshard.py` run
+this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .cli import register
+
+__all__ = [
+    "PAIRS",
+    "Layout",
+    "TensorSpec",
+    "format_table",
+    "machine_info",
+    "model_spec",
+    "run",
+    "run_on_rank",
+    "state_nbytes",
+    "timed",
+]
+
+WORLD = 4  # ranks in the benchmark world: the largest layout
+NUM_EXPERTS = 8
+LAYERS = 4
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `ranks` ranks hold the state: dense tensors as `Shard(dense_dim)` over all of them,
+    experts over EP-MP `ep_mp` x EP-DP `ranks // ep_mp` (EP-DP sharded)."""
+
+    ranks: int
+    dense_dim: int
+    ep_mp: int
+
+    @property
+    def ep_dp(self) -> int:
+        return self.ranks // self.ep_mp
+
+    @property
+    def label(self) -> str:
+        return f"{self.ranks}r S({self.dense_dim}) EP{self.ep_mp}x{self.ep_dp}"
+
+
+SAVE_4 = Layout(4, 0, 4)
+SAVE_2 = Layout(2, 0, 2)
+# (name, saved layout, loaded layout)
+PAIRS: tuple[tuple[str, Layout, Layout], ...] = (
+    ("DP shrink 4->2", SAVE_4, Layout(2, 0, 2)),
+    ("DP grow 2->4", SAVE_2, Layout(4, 0, 4)),
+    ("Shard(0)->Shard(1)", SAVE_4, Layout(4, 1, 4)),
+    ("EP 4->2 (EP-DP 2)", SAVE_4, Layout(4, 0, 2)),
+)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    key: str
+    shape: tuple[int, ...]
+    expert: bool
+    seed: int
+
+
+def model_spec(size_bytes: int) -> list[TensorSpec]:
+    """Tensors of an OLMo-like MoE state of about `size_bytes` (FP32 main weights and both Adam
+    moments): an embedding, per layer attention in/out projections and two expert tensors."""
+    # 4 layers x (4 d^2 attention + 2 E d^2 experts) + 4 d^2 embedding = 84 d^2 params, 12 B each
+    per_d2 = 12 * (LAYERS * (4 + 2 * NUM_EXPERTS) + 4)
+    d = max(16, round(math.sqrt(size_bytes / per_d2) / 16) * 16)
+    params: list[tuple[str, tuple[int, ...], bool]] = [("embeddings.weight", (4 * d, d), False)]
+    for i in range(LAYERS):
+        b = f"blocks.{i}"
+        params += [
+            (f"{b}.attention.w_qkv.weight", (3 * d, d), False),
+            (f"{b}.attention.w_out.weight", (d, d), False),
+            (f"{b}.feed_forward_moe.experts.w1", (NUM_EXPERTS, d, d), True),
+            (f"{b}.feed_forward_moe.experts.w2", (NUM_EXPERTS, d, d), True),
+        ]
+    out = []
+    for key, shape, expert in params:
+        for prefix, suffix in (("model.", ""), ("optim.state.", ".exp_avg"), ("optim.state.", ".exp_avg_sq")):
+            out.append(TensorSpec(prefix + key + suffix, shape, expert, len(out)))
+    return out
+
+
+def state_nbytes(specs: Iterable[TensorSpec]) -> int:
+    return sum(4 * math.prod(s.shape) for s in specs)
+
+
+def _values(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """FP32 values of global canonical indices: exact integers in [1, 2^24), varied and never 0."""
+    return ((index * 40503 + seed * 7919) % 16777213 + 1).to(torch.float32)
+
+
+def _box_values(offsets: Iterable[int], sizes: Iterable[int], shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    offsets, sizes = list(offsets), list(sizes)
+    strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+    idx = torch.zeros((), dtype=torch.int64)
+    for k, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+        view = [1] * len(shape)
+        view[k] = s
+        idx = idx + (torch.arange(o, o + s, dtype=torch.int64) * strides[k]).view(view)
+    return _values(idx, seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank state in a layout
+# --------------------------------------------------------------------------------------------
+
+_meshes: dict[tuple[int, ...], Any] = {}
+
+
+def _mesh(shape: tuple[int, ...]) -> Any:
+    """A CPU DeviceMesh over ranks `0 .. prod(shape)` of the world (created collectively, cached)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if shape not in _meshes:
+        _meshes[shape] = DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape))
+    return _meshes[shape]
+
+
+def _make_meshes() -> None:
+    """Every mesh the pairs use, in one order on every rank (mesh creation is collective)."""
+    for _, a, b in PAIRS:
+        for lo in (a, b):
+            _mesh((lo.ranks,))
+            _mesh((lo.ep_mp, lo.ep_dp))
+
+
+@dataclass
+class _Held:
+    """One rank's state in a layout: DTensors for DCP and the same memory as native values."""
+
+    dcp: dict[str, Any]
+    native: dict[str, Any]
+    locals: dict[str, torch.Tensor]  # the memory itself, per key (for fills and checks)
+    expect: dict[str, Callable[[], torch.Tensor]]
+
+
+def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
+    """This rank's (uninitialised) state in layout `lo`, or None when it is outside it."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from .experts import ExpertLayout
+    from .layout import dtensor_pieces
+
+    dense_mesh, ep_mesh = _mesh((lo.ranks,)), _mesh((lo.ep_mp, lo.ep_dp))
+    if rank >= lo.ranks:
+        return None
+    held = _Held({}, {}, {}, {})
+    for s in specs:
+        if s.expert:
+            el = ExpertLayout(s.shape[0], s.shape[1:], rank // lo.ep_dp, lo.ep_mp, rank % lo.ep_dp, lo.ep_dp)
+            storage = torch.empty(el.local_numel, dtype=torch.float32)
+            start, length = el.flat_range
+            per = el.expert_numel
+            if start % per or length % per:
+                raise ValueError(f"{lo.label}: expert split is not whole experts (use a multiple of {lo.ranks} experts)")
+            dt = DTensor.from_local(storage.view(length // per, *s.shape[1:]), ep_mesh, [Shard(0), Shard(0)],
+                                    run_check=False, shape=torch.Size(s.shape),
+                                    stride=torch.Size([math.prod(s.shape[k + 1 :]) for k in range(len(s.shape))]))
+            held.native[s.key] = el.view(storage)
+            held.dcp[s.key] = dt
+            held.locals[s.key] = storage
+            held.expect[s.key] = lambda start=start, length=length, seed=s.seed: _values(
+                torch.arange(start, start + length, dtype=torch.int64), seed)
+        else:
+            dt = distribute_tensor(torch.empty(s.shape, device="meta"), dense_mesh, [Shard(lo.dense_dim)],
+                                   src_data_rank=None)
+            local = torch.empty(dt.to_local().shape, dtype=torch.float32)
+            dt = DTensor.from_local(local, dense_mesh, [Shard(lo.dense_dim)], run_check=False,
+                                    shape=torch.Size(s.shape), stride=dt.stride())
+            (piece,) = dtensor_pieces(dt)
+            held.native[s.key] = held.dcp[s.key] = dt
+            held.locals[s.key] = local
+            held.expect[s.key] = lambda p=piece, shape=s.shape, seed=s.seed: _box_values(
+                p.global_offsets, p.sizes, shape, seed)
+    return held
+
+
+def _fill(held: _Held) -> None:
+    for key, local in held.locals.items():
+        local.view(-1).copy_(held.expect[key]().view(-1))
+
+
+def _check(held: _Held, what: str) -> None:
+    for key, local in held.locals.items():
+        if not torch.equal(local.view(-1), held.expect[key]().view(-1)):
+            raise AssertionError(f"{what}: {key} differs from the saved data")
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement helpers
+# --------------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any], group: Any = None) -> float:
+    """Seconds `fn` takes on the slowest rank: barrier, run, barrier."""
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier(group)
+    return time.perf_counter() - t0
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+class _PeakRss:
+    """Peak RSS growth of this process while the block runs (VmHWM reset via clear_refs)."""
+
+    def __enter__(self) -> _PeakRss:
+        self.extra = -1
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.ok = True
+        except OSError:
+            self.ok = False
+        self.start = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ok:
+            self.extra = max(0, _status("VmHWM") - self.start)
+
+
+def _raw_write(path: str, buf: torch.Tensor) -> None:
+    mv = memoryview(buf.numpy()).cast("B")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pos = 0
+        while pos < len(mv):
+            pos += os.write(fd, mv[pos : pos + (64 << 20)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _raw_read(files: list[tuple[str, int]], start: int, out: torch.Tensor) -> None:
+    """Reads bytes `start .. start + len(out)` of the concatenation of `files` into `out`."""
+    mv = memoryview(out.numpy()).cast("B")
+    pos, base = 0, 0
+    for path, size in files:
+        lo, hi = max(start, base), min(start + len(mv), base + size)
+        if lo < hi:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                off = lo
+                while off < hi:
+                    n = os.preadv(fd, [mv[pos : pos + min(hi - off, 64 << 20)]], off - base)
+                    if n <= 0:
+                        raise OSError(f"{path}: short read")
+                    off += n
+                    pos += n
+            finally:
+                os.close(fd)
+        base += size
+
+
+def _share(total: int, parts: int, i: int) -> tuple[int, int]:
+    a, b = total * i // parts, total * (i + 1) // parts
+    return a, b - a
+
+
+# --------------------------------------------------------------------------------------------
+# The run on every rank
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    size_bytes: int
+    reps: int = 2
+    root: str = "/tmp"
+    verify: bool = True
+    threads: tuple[int, ...] = ()  # FileSystemWriter thread counts (default: 1 and the core count)
+
+
+def _dcp_thread_counts(opts: Options) -> tuple[int, ...]:
+    return opts.threads or tuple(sorted({1, os.cpu_count() or 1}))
+
+
+def run_on_rank(opts: Options) -> dict[str, Any] | None:
+    """The benchmark on this rank of an initialised world of at least `WORLD` ranks; returns the
+    figures on rank 0 (None elsewhere). Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from . import checkpoint
+    from .dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner
+    from .shards import describe
+
+    warnings.filterwarnings("ignore")
+    if dist.get_world_size() < WORLD:
+        raise ValueError(f"the benchmark needs a world of {WORLD} ranks, this one has {dist.get_world_size()}")
+    rank = dist.get_rank()
+    specs = model_spec(opts.size_bytes)
+    total = state_nbytes(specs)
+    _make_meshes()
+    root = os.path.join(opts.root, "bench")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(os.path.join(root, "raw"))
+    dist.barrier()
+    # created in one order on every rank (collective); only members use a group
+    groups = {r: dist.new_group(list(range(r))) for r in sorted({lo.ranks for _, a, b in PAIRS for lo in (a, b)})}
+    dcp_threads = _dcp_thread_counts(opts)
+    contenders = ["native", "ours-dcp", *(f"dcp-fs t={t}" for t in dcp_threads)]
+    records: list[dict[str, Any]] = []  # (kind, layout/pair, method, seconds, extra RSS) per rank
+
+    def record(kind: str, where: str, method: str, seconds: float, rss: int) -> None:
+        records.append({"kind": kind, "where": where, "method": method, "seconds": seconds, "rss": rss})
+
+    saved_layouts = sorted({a for _, a, _ in PAIRS}, key=lambda lo: -lo.ranks)
+    raw_buf = torch.full((max(_share(total, lo.ranks, 0)[1] + 1 for lo in saved_layouts),), 0x5A, dtype=torch.uint8)
+    for rep in range(opts.reps):
+        for a in saved_layouts:
+            src = _hold(specs, a, rank)
+            if src is not None:
+                _fill(src)
+            inside = src is not None
+            group = groups[a.ranks]
+            paths = {m: os.path.join(root, f"{m.replace(' ', '').replace('=', '')}-{a.ranks}") for m in contenders}
+            # Durable saves, interleaved so drifting machine load hits every contender alike.
+            raw_files = [(os.path.join(root, "raw", f"rank-{r}.bin"), _share(total, a.ranks, r)[1])
+                         for r in range(a.ranks)]
+            for method in ["raw", *contenders]:
+                with _PeakRss() as peak:
+                    if not inside:
+                        seconds = timed(lambda: None)
+                    elif method == "raw":
+                        n = raw_files[rank][1]
+                        seconds = timed(lambda n=n: _raw_write(raw_files[rank][0], raw_buf[:n]))
+                    elif method == "native":
+                        seconds = timed(lambda: checkpoint.save(src.native, paths[method],
+                                                                process_group=group))
+                    elif method == "ours-dcp":
+                        seconds = timed(lambda: dcp.save(src.dcp, storage_writer=ChunkStoreWriter(paths[method]),
+                                                         process_group=group))
+                    else:
+                        t = int(method.split("=")[1])
+                        seconds = timed(lambda t=t: dcp.save(
+                            src.dcp, storage_writer=FileSystemWriter(paths[method], thread_count=t),
+                            process_group=group))
+                record("save", a.label, method, seconds, peak.extra)
+            # Staging only: CPU copies of the state without I/O.
+            for method in ("native", "dcp"):
+                with _PeakRss() as peak:
+                    if not inside:
+                        seconds = timed(lambda: None)
+                    elif method == "native":
+                        def stage_native() -> None:
+                            # what `save` does for accelerator tensors: a host buffer per chunk
+                            staged = []
+                            for key, v in src.native.items():
+                                for _, data in describe(key, v).regions():
+                                    staged.append(torch.empty(data.shape, dtype=data.dtype).copy_(data))
+                        seconds = timed(stage_native)
+                    else:
+                        stager = DefaultStager(StagingOptions(False, False, False, False))
+                        seconds = timed(lambda stager=stager: stager.stage(src.dcp))
+                        stager.close()
+                record("stage", a.label, method, seconds, peak.extra)
+            n = raw_files[rank][1] if inside else 0
+            dst = torch.empty(n, dtype=torch.uint8)
+            dst.fill_(0)
+            seconds = timed(lambda: dst.copy_(raw_buf[:n]))
+            record("stage", a.label, "raw", seconds, 0)
+            del dst
+            del src
+            # Resharded loads of this save, one pair at a time.
+            for name, a2, b in PAIRS:
+                if a2 != a:
+                    continue
+                dst = _hold(specs, b, rank)
+                mine = dst is not None
+                lgroup = groups[b.ranks]
+                for method in ["raw", *contenders]:
+                    if mine:
+                        for t in dst.locals.values():
+                            t.zero_()
+                    with _PeakRss() as peak:
+                        if not mine:
+                            seconds = timed(lambda: None)
+                        elif method == "raw":
+                            start, n = _share(total, b.ranks, rank)
+                            out = torch.zeros(n, dtype=torch.uint8)
+                            peak.start = _status("VmRSS")
+                            seconds = timed(lambda start=start, out=out: _raw_read(raw_files, start, out))
+                            del out
+                        elif method == "native":
+                            seconds = timed(lambda: checkpoint.load(dst.native, paths[method],
+                                                                    process_group=lgroup))
+                        elif method == "ours-dcp":
+                            seconds = timed(lambda: dcp.load(dst.dcp, storage_reader=ChunkStoreReader(paths[method]),
+                                                             planner=FastLoadPlanner(), process_group=lgroup))
+                        else:
+                            seconds = timed(lambda: dcp.load(dst.dcp, storage_reader=FileSystemReader(paths[method]),
+                                                             process_group=lgroup))
+                    if mine and method != "raw" and rep == 0 and opts.verify:
+                        _check(dst, f"{name} {method}")
+                    record("load", name, method, seconds, peak.extra)
+                del dst
+            dist.barrier()
+            if rank == 0:
+                for p in paths.values():
+                    shutil.rmtree(p, ignore_errors=True)
+            dist.barrier()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        return _summarize(opts, specs, gathered[:WORLD], dcp_threads)
+    return None
+
+
+def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]],
+               dcp_threads: tuple[int, ...]) -> dict[str, Any]:
+    """Best time per (kind, where, method) (timings agree across ranks: barrier to barrier), the
+    largest extra RSS of any rank, GB/s and the ratios."""
+    total = state_nbytes(specs)
+    cells: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for recs in per_rank:
+        for r in recs:
+            c = cells.setdefault((r["kind"], r["where"], r["method"]), {"seconds": [], "rss": 0})
+            if per_rank[0] is recs:
+                c["seconds"].append(r["seconds"])
+            c["rss"] = max(c["rss"], r["rss"])
+    rows: dict[str, list[dict[str, Any]]] = {"save": [], "stage": [], "load": []}
+    for (kind, where, method), c in cells.items():
+        best = min(c["seconds"])
+        rows[kind].append({"where": where, "method": method, "seconds": c["seconds"], "best_s": best,
+                           "gbps": total / best / 1e9, "peak_extra_rss_mib": c["rss"] / MIB})
+    for kind, group in rows.items():
+        by_where: dict[str, list[dict]] = {}
+        for row in group:
+            by_where.setdefault(row["where"], []).append(row)
+        for where_rows in by_where.values():
+            roof = next(r for r in where_rows if r["method"] == "raw")["gbps"]
+            dcp_rows = [r for r in where_rows if r["method"].startswith("dcp")]
+            dcp_best = max(r["gbps"] for r in dcp_rows) if dcp_rows else None
+            for row in where_rows:
+                row["of_roofline"] = row["gbps"] / roof
+                row["x_dcp"] = row["gbps"] / dcp_best if dcp_best else None
+    return {
+        "machine": machine_info(opts.root),
+        "state_bytes": total,
+        "tensors": len(specs),
+        "hidden": specs[0].shape[1],
+        "experts": NUM_EXPERTS,
+        "reps": opts.reps,
+        "dcp_writer_threads": list(dcp_threads),
+        "page_cache": "warm (loads read data written moments before; caches are not dropped)",
+        "pairs": [{"name": n, "save": asdict(a) | {"label": a.label}, "load": asdict(b) | {"label": b.label}}
+                  for n, a, b in PAIRS],
+        "save": rows["save"],
+        "stage": rows["stage"],
+        "load": rows["load"],
+    }
+
+
+def machine_info(path: str = "/tmp") -> dict[str, Any]:
+    """What the figures were measured on."""
+
+    def sh(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "nproc": os.cpu_count(),
+        "uname": " ".join(platform.uname()),
+        "free_g": sh("free", "-g"),
+        "disk": sh("df", "-h", path),
+        "torch": torch.__version__,
+        "loadavg": os.getloadavg(),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Table
+# --------------------------------------------------------------------------------------------
+
+_NAMES = {
+    "raw": "roofline",
+    "native": "olmo_chunks native",
+    "ours-dcp": "olmo_chunks via DCP",
+}
+
+
+def _name(method: str, kind: str) -> str:
+    if method == "raw":
+        return {"save": "roofline: raw write+fsync", "load": "roofline: raw read", "stage": "roofline: memcpy"}[kind]
+    if method == "dcp" and kind == "stage":
+        return "DCP DefaultStager"
+    if method == "native" and kind == "stage":
+        return "olmo_chunks host copy"
+    if method.startswith("dcp-fs"):
+        t = method.split("=")[1]
+        return f"DCP FileSystem{'Writer' if kind == 'save' else 'Reader'}" + (f" t={t}" if kind == "save" else f" (t={t} save)")
+    return _NAMES[method]
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """The figures as a plain-text table."""
+    gib = res["state_bytes"] / 2**30
+    lines = [
+        f"olmo-chunks bench: {gib:.2f} GiB state ({res['tensors']} FP32 tensors, hidden {res['hidden']}, "
+        f"{res['experts']} experts), best of {res['reps']}, {res['machine']['nproc']} cores; "
+        f"GB/s = state bytes / wall time (slowest rank)",
+        "loads: warm page cache (same for every reader); RSS = peak extra RSS of the worst rank during the step, "
+        "beyond the state it loads into / saves from",
+    ]
+    head = f"  {'':<34} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8}"
+
+    def row(r: dict[str, Any], kind: str) -> str:
+        x = f"{r['x_dcp']:.2f}" if r["x_dcp"] is not None else "-"
+        return (f"  {_name(r['method'], kind):<34} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "
+                f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f}")
+
+    for kind, title in (("save", "Durable save (fsync), saved layout"), ("stage", "Staging only (CPU copies, no I/O)"),
+                        ("load", "Resharded load, pair")):
+        wheres: list[str] = []
+        for r in res[kind]:
+            if r["where"] not in wheres:
+                wheres.append(r["where"])
+        for where in wheres:
+            lines.append("")
+            lines.append(f"{title}: {where}")
+            lines.append(head)
+            for r in res[kind]:
+                if r["where"] == where:
+                    lines.append(row(r, kind))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a world
+# --------------------------------------------------------------------------------------------
+
+
+def _spawned(rank: int, size: int, rendezvous: str, opts: Options, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    try:
+        res = run_on_rank(opts)
+        if res is not None:
+            with open(out, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Spawns a world of `WORLD` processes, runs the benchmark and returns rank 0's figures."""
+    import torch.multiprocessing as mp
+
+    tmp = tempfile.mkdtemp(prefix="olmo-chunks-bench-", dir=opts.root)
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        opts = Options(**{**asdict(opts), "root": tmp})
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_spawned, args=(WORLD, os.path.join(tmp, "rdzv"), opts, out), nprocs=WORLD)
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GiB (default 2)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions; the best is reported (default 2)")
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--dcp-threads", type=int, nargs="*", default=None,
+                   help="FileSystemWriter thread counts (default: 1 and the core count)")
+    p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of every load")
+
+
+@register("bench", "save and resharded-load throughput against torch DCP and the raw I/O roofline", configure)
+def main(args: argparse.Namespace) -> int:
+    opts = Options(
+        size_bytes=int(args.size_gb * 2**30),
+        reps=args.reps,
+        root=args.dir or tempfile.gettempdir(),
+        verify=not args.no_verify,
+        threads=tuple(args.dcp_threads or ()),
+    )
+    res = run(opts)
+    print(format_table(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
