@@ -232,3 +232,7 @@ def test_import_plan_infers_native_shapes():
         p.startswith("model.layers.0.bogus.weight: HF tensor that no mapping rule covers") for p in problems
     )
     assert any("w_up_gate: the mapping does not cover it exactly once" in p for p in problems)
+    assert (
+        "model.layers.0.mlp.experts.1.up_proj.weight: missing (part of native "
+        "blocks.0.feed_forward_moe.experts.w_up_gate)" in problems
+    )

@@ -616,9 +616,10 @@ def _hf_model_state(
             str(hf_dir), output_loading_info=True, ignore_mismatched_sizes=True, local_files_only=True, **kw
         )
     except Exception as exc:  # transformers raises many types; the failure is the finding
+        # Still compare every tensor, from the files, so the report names them.
         return (
-            None,
-            f"transformers {transformers.__version__} {arch}",
+            files,
+            f"safetensors files (transformers {transformers.__version__} {arch} failed to load them)",
             [f"{arch}: from_pretrained failed: {type(exc).__name__}: {exc}".splitlines()[0]],
         )
     for k in info.get("missing_keys", []):

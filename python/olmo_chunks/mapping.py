@@ -814,6 +814,18 @@ def plan_import(
             problems.append(f"{native}: HF tensors imply different shapes {sorted(shape0s)}")
             continue
         (shape0,) = shape0s
+        # Name the HF tensors this native tensor needs but the source lacks.
+        present = {name for name, _, _ in members}
+        fixed = {k: v for k, v in members[0][2].items() if k not in members[0][1].take_vars}
+        for rule in spec.rules:
+            if set(_VAR.findall(rule.native)) != set(fixed) or rule.native.format(**fixed) != native:
+                continue
+            try:
+                for vs, _, _ in _expand(rule, fixed, shape0, vocab, native):
+                    if (want := rule.hf.format(**vs)) not in present:
+                        problems.append(f"{want}: missing (part of native {native})")
+            except (InvalidArgumentError, IndexError):
+                pass  # the shape problem is reported below
         for name, rule, vars in members:
             try:
                 ((_vs, ops, shapes),) = _expand(rule, vars, shape0, vocab, name)
