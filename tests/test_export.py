@@ -762,3 +762,23 @@ def test_nonfinite_native_weights_fail_validation(tmp_path):
         "model.layers.0.mlp.experts.1.down_proj.weight: nonfinite values in the native tensor "
         "model.blocks.0.feed_forward_moe.experts.w_down",
     ]
+
+
+def test_unreadable_hf_dir_fails_with_a_report(moe, tmp_path, capsys):
+    root, _ = moe
+    shutil.copytree(root / "oracle", tmp_path / "hf")
+    victim = sorted((tmp_path / "hf").glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated file
+    rc = main(
+        [
+            "validate-conversion",
+            "--native",
+            str(root / "native"),
+            "--hf",
+            str(tmp_path / "hf"),
+            "--report",
+            str(tmp_path / "r.json"),
+        ]
+    )
+    assert rc == 1 and "data section" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is False

@@ -897,7 +897,11 @@ def _validate_cmd(args: argparse.Namespace) -> int:
             round_trip=not args.no_round_trip,
             workers=args.workers,
         )
-    except OlmoChunksError:
+    except OlmoChunksError as exc:
+        # A checkpoint or directory that cannot be read at all still gets a (failing) report.
+        Path(args.report).write_text(
+            json.dumps({"ok": False, "error": str(exc), "failures": [str(exc)]}) + "\n"
+        )
         raise
     Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
     for f in report["failures"]:
