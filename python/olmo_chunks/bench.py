@@ -125,7 +125,8 @@ def _values(index: torch.Tensor, seed: int) -> torch.Tensor:
     return ((index * 40503 + seed * 7919) % 16777213 + 1).to(torch.float32)
 
 
-def _box_values(offsets: Iterable[int], sizes: Iterable[int], shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def _box_values(offsets: Iterable[int], sizes: Iterable[int], shape: tuple[int, ...],
+                seed: int) -> torch.Tensor:
     offsets, sizes = list(offsets), list(sizes)
     strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
     idx = torch.zeros((), dtype=torch.int64)
@@ -188,10 +189,10 @@ def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
             start, length = el.flat_range
             per = el.expert_numel
             if start % per or length % per:
-                raise ValueError(f"{lo.label}: expert split is not whole experts (use a multiple of {lo.ranks} experts)")
+                raise ValueError(f"{lo.label}: experts do not split whole (use a multiple of {lo.ranks})")
+            stride = torch.Size([math.prod(s.shape[k + 1 :]) for k in range(len(s.shape))])
             dt = DTensor.from_local(storage.view(length // per, *s.shape[1:]), ep_mesh, [Shard(0), Shard(0)],
-                                    run_check=False, shape=torch.Size(s.shape),
-                                    stride=torch.Size([math.prod(s.shape[k + 1 :]) for k in range(len(s.shape))]))
+                                    run_check=False, shape=torch.Size(s.shape), stride=stride)
             held.native[s.key] = el.view(storage)
             held.dcp[s.key] = dt
             held.locals[s.key] = storage
@@ -322,20 +323,83 @@ def _dcp_thread_counts(opts: Options) -> tuple[int, ...]:
     return opts.threads or tuple(sorted({1, os.cpu_count() or 1}))
 
 
+def _save_step(method: str, held: _Held | None, path: str, raw_file: tuple[str, int],
+               raw_buf: torch.Tensor, group: Any) -> float:
+    """Seconds of one durable save (every rank calls it; ranks outside the layout only wait)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from . import checkpoint
+    from .dcp import ChunkStoreWriter
+
+    if held is None:
+        return timed(lambda: None)
+    if method == "raw":
+        return timed(lambda: _raw_write(raw_file[0], raw_buf[: raw_file[1]]))
+    if method == "native":
+        return timed(lambda: checkpoint.save(held.native, path, process_group=group))
+    if method == "ours-dcp":
+        return timed(lambda: dcp.save(held.dcp, storage_writer=ChunkStoreWriter(path), process_group=group))
+    t = int(method.split("=")[1])
+    return timed(lambda: dcp.save(held.dcp, storage_writer=FileSystemWriter(path, thread_count=t),
+                                  process_group=group))
+
+
+def _stage_step(method: str, held: _Held | None, nbytes: int, raw_buf: torch.Tensor) -> float:
+    """Seconds to stage CPU copies of the state, without I/O."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from .shards import describe
+
+    if held is None:
+        return timed(lambda: None)
+    if method == "native":
+        def stage() -> None:
+            # what `save` does for accelerator tensors: a host buffer per chunk, filled by a copy
+            staged = []
+            for key, v in held.native.items():
+                for _, data in describe(key, v).regions():
+                    staged.append(torch.empty(data.shape, dtype=data.dtype).copy_(data))
+        return timed(stage)
+    if method == "dcp":
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            return timed(lambda: stager.stage(held.dcp))
+        finally:
+            stager.close()
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    return timed(lambda: out.copy_(raw_buf[:nbytes]))
+
+
+def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple[str, int]],
+               share: tuple[int, int], group: Any, peak: _PeakRss) -> float:
+    """Seconds of one resharded load into `held` (ranks outside the layout only wait)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from . import checkpoint
+    from .dcp import ChunkStoreReader, FastLoadPlanner
+
+    if held is None:
+        return timed(lambda: None)
+    if method == "raw":
+        out = torch.zeros(share[1], dtype=torch.uint8)
+        peak.start = _status("VmRSS")  # the destination is not extra
+        return timed(lambda: _raw_read(raw_files, share[0], out))
+    if method == "native":
+        return timed(lambda: checkpoint.load(held.native, path, process_group=group))
+    if method == "ours-dcp":
+        return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path),
+                                      planner=FastLoadPlanner(), process_group=group))
+    return timed(lambda: dcp.load(held.dcp, storage_reader=FileSystemReader(path), process_group=group))
+
+
 def run_on_rank(opts: Options) -> dict[str, Any] | None:
     """The benchmark on this rank of an initialised world of at least `WORLD` ranks; returns the
     figures on rank 0 (None elsewhere). Every rank must call it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    from . import checkpoint
-    from .dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner
-    from .shards import describe
-
     warnings.filterwarnings("ignore")
     if dist.get_world_size() < WORLD:
-        raise ValueError(f"the benchmark needs a world of {WORLD} ranks, this one has {dist.get_world_size()}")
+        raise ValueError(f"the benchmark needs {WORLD} ranks, this world has {dist.get_world_size()}")
     rank = dist.get_rank()
     specs = model_spec(opts.size_bytes)
     total = state_nbytes(specs)
@@ -346,101 +410,49 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
         os.makedirs(os.path.join(root, "raw"))
     dist.barrier()
     # created in one order on every rank (collective); only members use a group
-    groups = {r: dist.new_group(list(range(r))) for r in sorted({lo.ranks for _, a, b in PAIRS for lo in (a, b)})}
+    sizes = sorted({lo.ranks for _, a, b in PAIRS for lo in (a, b)})
+    groups = {r: dist.new_group(list(range(r))) for r in sizes}
     dcp_threads = _dcp_thread_counts(opts)
     contenders = ["native", "ours-dcp", *(f"dcp-fs t={t}" for t in dcp_threads)]
-    records: list[dict[str, Any]] = []  # (kind, layout/pair, method, seconds, extra RSS) per rank
+    records: list[dict[str, Any]] = []
 
     def record(kind: str, where: str, method: str, seconds: float, rss: int) -> None:
         records.append({"kind": kind, "where": where, "method": method, "seconds": seconds, "rss": rss})
 
     saved_layouts = sorted({a for _, a, _ in PAIRS}, key=lambda lo: -lo.ranks)
-    raw_buf = torch.full((max(_share(total, lo.ranks, 0)[1] + 1 for lo in saved_layouts),), 0x5A, dtype=torch.uint8)
+    raw_buf = torch.full((max(_share(total, lo.ranks, 0)[1] + 1 for lo in saved_layouts),), 0x5A,
+                         dtype=torch.uint8)
     for rep in range(opts.reps):
         for a in saved_layouts:
             src = _hold(specs, a, rank)
             if src is not None:
                 _fill(src)
-            inside = src is not None
-            group = groups[a.ranks]
-            paths = {m: os.path.join(root, f"{m.replace(' ', '').replace('=', '')}-{a.ranks}") for m in contenders}
-            # Durable saves, interleaved so drifting machine load hits every contender alike.
+            paths = {m: os.path.join(root, re.sub(r"[^a-z0-9-]", "", m) + f"-{a.ranks}") for m in contenders}
             raw_files = [(os.path.join(root, "raw", f"rank-{r}.bin"), _share(total, a.ranks, r)[1])
                          for r in range(a.ranks)]
+            mine = raw_files[rank] if rank < a.ranks else ("", 0)
+            # Durable saves, interleaved so drifting machine load hits every contender alike.
             for method in ["raw", *contenders]:
                 with _PeakRss() as peak:
-                    if not inside:
-                        seconds = timed(lambda: None)
-                    elif method == "raw":
-                        n = raw_files[rank][1]
-                        seconds = timed(lambda n=n: _raw_write(raw_files[rank][0], raw_buf[:n]))
-                    elif method == "native":
-                        seconds = timed(lambda: checkpoint.save(src.native, paths[method],
-                                                                process_group=group))
-                    elif method == "ours-dcp":
-                        seconds = timed(lambda: dcp.save(src.dcp, storage_writer=ChunkStoreWriter(paths[method]),
-                                                         process_group=group))
-                    else:
-                        t = int(method.split("=")[1])
-                        seconds = timed(lambda t=t: dcp.save(
-                            src.dcp, storage_writer=FileSystemWriter(paths[method], thread_count=t),
-                            process_group=group))
+                    seconds = _save_step(method, src, paths.get(method, ""), mine, raw_buf, groups[a.ranks])
                 record("save", a.label, method, seconds, peak.extra)
-            # Staging only: CPU copies of the state without I/O.
-            for method in ("native", "dcp"):
+            for method in ("native", "dcp", "raw"):
                 with _PeakRss() as peak:
-                    if not inside:
-                        seconds = timed(lambda: None)
-                    elif method == "native":
-                        def stage_native() -> None:
-                            # what `save` does for accelerator tensors: a host buffer per chunk
-                            staged = []
-                            for key, v in src.native.items():
-                                for _, data in describe(key, v).regions():
-                                    staged.append(torch.empty(data.shape, dtype=data.dtype).copy_(data))
-                        seconds = timed(stage_native)
-                    else:
-                        stager = DefaultStager(StagingOptions(False, False, False, False))
-                        seconds = timed(lambda stager=stager: stager.stage(src.dcp))
-                        stager.close()
-                record("stage", a.label, method, seconds, peak.extra)
-            n = raw_files[rank][1] if inside else 0
-            dst = torch.empty(n, dtype=torch.uint8)
-            dst.fill_(0)
-            seconds = timed(lambda: dst.copy_(raw_buf[:n]))
-            record("stage", a.label, "raw", seconds, 0)
-            del dst
+                    seconds = _stage_step(method, src, mine[1], raw_buf)
+                record("stage", a.label, method, seconds, 0 if method == "raw" else peak.extra)
             del src
-            # Resharded loads of this save, one pair at a time.
             for name, a2, b in PAIRS:
                 if a2 != a:
                     continue
                 dst = _hold(specs, b, rank)
-                mine = dst is not None
-                lgroup = groups[b.ranks]
                 for method in ["raw", *contenders]:
-                    if mine:
+                    if dst is not None:
                         for t in dst.locals.values():
                             t.zero_()
                     with _PeakRss() as peak:
-                        if not mine:
-                            seconds = timed(lambda: None)
-                        elif method == "raw":
-                            start, n = _share(total, b.ranks, rank)
-                            out = torch.zeros(n, dtype=torch.uint8)
-                            peak.start = _status("VmRSS")
-                            seconds = timed(lambda start=start, out=out: _raw_read(raw_files, start, out))
-                            del out
-                        elif method == "native":
-                            seconds = timed(lambda: checkpoint.load(dst.native, paths[method],
-                                                                    process_group=lgroup))
-                        elif method == "ours-dcp":
-                            seconds = timed(lambda: dcp.load(dst.dcp, storage_reader=ChunkStoreReader(paths[method]),
-                                                             planner=FastLoadPlanner(), process_group=lgroup))
-                        else:
-                            seconds = timed(lambda: dcp.load(dst.dcp, storage_reader=FileSystemReader(paths[method]),
-                                                             process_group=lgroup))
-                    if mine and method != "raw" and rep == 0 and opts.verify:
+                        seconds = _load_step(method, dst, paths.get(method, ""), raw_files,
+                                             _share(total, b.ranks, rank), groups[b.ranks], peak)
+                    if dst is not None and method != "raw" and rep == 0 and opts.verify:
                         _check(dst, f"{name} {method}")
                     record("load", name, method, seconds, peak.extra)
                 del dst
@@ -475,7 +487,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
         best = min(c["seconds"])
         rows[kind].append({"where": where, "method": method, "seconds": c["seconds"], "best_s": best,
                            "gbps": total / best / 1e9, "peak_extra_rss_mib": c["rss"] / MIB})
-    for kind, group in rows.items():
+    for group in rows.values():
         by_where: dict[str, list[dict]] = {}
         for row in group:
             by_where.setdefault(row["where"], []).append(row)
@@ -518,7 +530,7 @@ def machine_info(path: str = "/tmp") -> dict[str, Any]:
         "free_g": sh("free", "-g"),
         "disk": sh("df", "-h", path),
         "torch": torch.__version__,
-        "loadavg": os.getloadavg(),
+        "loadavg": list(os.getloadavg()),
     }
 
 
@@ -535,14 +547,15 @@ _NAMES = {
 
 def _name(method: str, kind: str) -> str:
     if method == "raw":
-        return {"save": "roofline: raw write+fsync", "load": "roofline: raw read", "stage": "roofline: memcpy"}[kind]
+        return {"save": "roofline: raw write+fsync", "load": "roofline: raw read",
+                "stage": "roofline: memcpy"}[kind]
     if method == "dcp" and kind == "stage":
         return "DCP DefaultStager"
     if method == "native" and kind == "stage":
         return "olmo_chunks host copy"
     if method.startswith("dcp-fs"):
         t = method.split("=")[1]
-        return f"DCP FileSystem{'Writer' if kind == 'save' else 'Reader'}" + (f" t={t}" if kind == "save" else f" (t={t} save)")
+        return f"DCP FileSystemWriter t={t}" if kind == "save" else f"DCP FileSystemReader (t={t} save)"
     return _NAMES[method]
 
 
@@ -553,8 +566,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"olmo-chunks bench: {gib:.2f} GiB state ({res['tensors']} FP32 tensors, hidden {res['hidden']}, "
         f"{res['experts']} experts), best of {res['reps']}, {res['machine']['nproc']} cores; "
         f"GB/s = state bytes / wall time (slowest rank)",
-        "loads: warm page cache (same for every reader); RSS = peak extra RSS of the worst rank during the step, "
-        "beyond the state it loads into / saves from",
+        "loads: warm page cache (the same for every reader); RSS MiB = peak extra RSS of the worst rank "
+        "during the step, beyond the state it saves from / loads into",
     ]
     head = f"  {'':<34} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8}"
 
@@ -563,8 +576,8 @@ def format_table(res: dict[str, Any]) -> str:
         return (f"  {_name(r['method'], kind):<34} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "
                 f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f}")
 
-    for kind, title in (("save", "Durable save (fsync), saved layout"), ("stage", "Staging only (CPU copies, no I/O)"),
-                        ("load", "Resharded load, pair")):
+    for kind, title in (("save", "Durable save (fsync), saved layout"),
+                        ("stage", "Staging only (CPU copies, no I/O)"), ("load", "Resharded load, pair")):
         wheres: list[str] = []
         for r in res[kind]:
             if r["where"] not in wheres:
