@@ -69,7 +69,7 @@ pub fn plan_runs(m: &Manifest, targets: &[Target]) -> Result<Vec<Run>> {
                     ));
                 }
                 if p.local_extent()
-                    .checked_mul(item)
+                    .and_then(|e| e.checked_mul(item))
                     .is_none_or(|e| e > t.dest_len)
                 {
                     return Err(CoreError::InvalidArgument(format!(

@@ -88,6 +88,10 @@ impl Region {
                 }]
             }
             Region::Flat { start, len } => {
+                if *len == 0 {
+                    // Also spares the strides of a zero-element shape, which may overflow.
+                    return Vec::new();
+                }
                 let global = row_major_strides(shape);
                 flat_boxes(shape, *start, start + len)
                     .into_iter()
@@ -132,18 +136,18 @@ impl Piece {
     }
 
     /// One past the largest local element offset the piece touches.
-    pub fn local_extent(&self) -> u64 {
+    /// `None` if it overflows u64 (absurd strides from a caller).
+    pub fn local_extent(&self) -> Option<u64> {
         if self.sizes.contains(&0) {
-            return self.local_start;
+            return Some(self.local_start);
         }
-        self.local_start
-            + self
-                .sizes
-                .iter()
-                .zip(&self.strides)
-                .map(|(n, s)| (n - 1) * s)
-                .sum::<u64>()
-            + 1
+        self.sizes
+            .iter()
+            .zip(&self.strides)
+            .try_fold(self.local_start, |acc, (n, s)| {
+                acc.checked_add((n - 1).checked_mul(*s)?)
+            })?
+            .checked_add(1)
     }
 }
 
