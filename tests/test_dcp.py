@@ -531,6 +531,21 @@ def test_a_reused_cached_plan_cannot_clobber_the_live_checkpoint(tmp_path):
     assert torch.equal(back["w"], torch.arange(6.0))
 
 
+def test_tied_weights_load_into_their_one_tensor(tmp_path):
+    """Two keys, one tensor (tied embeddings): both reads land, neither trips the core's check
+    that destinations do not overlap."""
+    w = _full((4, 3), torch.float32, 12)
+    dcp.save({"embed.weight": w, "head.weight": w}, storage_writer=ChunkStoreWriter(tmp_path), no_dist=True)
+    tied = torch.zeros(4, 3)
+    dcp.load(
+        {"embed.weight": tied, "head.weight": tied},
+        storage_reader=ChunkStoreReader(tmp_path),
+        planner=FastLoadPlanner(),
+        no_dist=True,
+    )
+    assert torch.equal(tied, w)
+
+
 def test_dtype_conversion_and_noncontiguous_destinations(tmp_path):
     """DCP copies with conversion: a bf16 destination of an fp32 checkpoint, and a transposed one."""
     full = _full((6, 4), torch.float32, 11)

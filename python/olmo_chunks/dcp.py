@@ -483,6 +483,7 @@ class ChunkStoreReader(StorageReader):
         targets: list[tuple[int, list, int]] = []
         buffers: list[tuple[int, int]] = []
         buffer_of: dict[int, int] = {}
+        owner: dict[int, str] = {}  # storage address -> the first key loaded into it
         keep: list[torch.Tensor] = []  # storages handed to the core stay alive until it returns
         resolved: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
         for item in plan.items:
@@ -504,7 +505,12 @@ class ChunkStoreReader(StorageReader):
             base = item.storage_index.offset or torch.Size([0] * len(lengths))
             offsets = [int(a) + int(b) for a, b in zip(base, item.storage_offsets, strict=True)]
             stage = None
-            if not _direct(dest, saved_dtype):
+            shared = (
+                dest.device.type == "cpu" and owner.setdefault(dest.untyped_storage().data_ptr(), fqn) != fqn
+            )
+            if shared or not _direct(dest, saved_dtype):
+                # `shared`: another key's tensor lives in this storage (tied weights); it is read
+                # through its own buffer so the two never write one destination concurrently.
                 stage = torch.empty(lengths, dtype=saved_dtype, pin_memory=dest.device.type == "cuda")
             into = dest if stage is None else stage
             resolved.append((item, dest, stage))
