@@ -400,6 +400,7 @@ class ChunkStoreReader(StorageReader):
         self._manifest: _core.Manifest | None = None
         self._tensors: dict[str, tuple[int, torch.dtype]] = {}
         self._values: dict[str, Any] = {}
+        self._value_paths: dict[str, tuple] = {}
 
     @property
     def checkpoint_id(self) -> Path | None:
@@ -418,10 +419,10 @@ class ChunkStoreReader(StorageReader):
                 )
             m = _core.Manifest.open(str(self.path))
             self._tensors = {key: (i, torch_dtype(dtype)) for i, (key, dtype, *_) in enumerate(m.tensors)}
-            self._values = {}
+            self._values, self._value_paths = {}, {}
             for key, enc in (json.loads(m.entries_json) or {}).items():
-                for fqn, (_, v) in dcp_leaves(key, values.decode(enc)).items():
-                    self._values[fqn] = v
+                for fqn, (path, v) in dcp_leaves(key, values.decode(enc)).items():
+                    self._values[fqn], self._value_paths[fqn] = v, path
             self._manifest = m
         return self._manifest
 
@@ -442,12 +443,11 @@ class ChunkStoreReader(StorageReader):
                 properties=TensorProperties(dtype=torch_dtype(dtype)), size=torch.Size(shape), chunks=chunks
             )
         paths: dict[str, tuple] = {}
-        for key, enc in (json.loads(m.entries_json) or {}).items():
-            for fqn, (path, _) in dcp_leaves(key, values.decode(enc)).items():
-                if fqn in md:
-                    raise CorruptCheckpointError(f"{self.path}: {fqn!r} is both a tensor and a value")
-                md[fqn] = BytesStorageMetadata()
-                paths[fqn] = path
+        for fqn, path in self._value_paths.items():
+            if fqn in md:
+                raise CorruptCheckpointError(f"{self.path}: {fqn!r} is both a tensor and a value")
+            md[fqn] = BytesStorageMetadata()
+            paths[fqn] = path
         saved_paths = json.loads(m.info_json).get("dcp_paths") if m.info_json else None
         if isinstance(saved_paths, dict):
             for fqn, p in saved_paths.items():
