@@ -14,13 +14,12 @@ import tempfile
 import time
 import zlib
 
+import olmo_chunks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-import olmo_chunks
 
 
 def model_spec(size_mb: int) -> dict[str, tuple[int, ...]]:
@@ -69,7 +68,7 @@ def build_state(spec, mesh, style: str, fill: bool) -> dict:
 
 def mesh_for(world: int, style: str):
     if style == "grid":
-        a = int(math.isqrt(world))
+        a = math.isqrt(world)
         while world % a:
             a -= 1
         return init_device_mesh("cpu", (a, world // a))

@@ -6,14 +6,13 @@ import os
 from pathlib import Path
 
 import numpy as np
+import olmo_chunks
 import pytest
 import torch
-
-import olmo_chunks
 from olmo_chunks import _core, checkpoint
 from olmo_chunks.errors import (
-    ChecksumError,
     CheckpointNotFoundError,
+    ChecksumError,
     CorruptCheckpointError,
     CorruptManifestError,
     InvalidArgumentError,
@@ -24,6 +23,7 @@ from olmo_chunks.errors import (
     TruncatedDataError,
     UnsupportedFormatError,
 )
+
 from tests import world
 from tests.manifest_bytes import RawManifest, crc32c
 
@@ -222,7 +222,7 @@ def test_role_mismatch_is_a_conversion(ckpt: Path):
 
 
 def test_unsupported_values_are_refused_with_their_key(tmp_path: Path):
-    with pytest.raises(InvalidArgumentError, match="'cfg.fn': values of type function"):
+    with pytest.raises(InvalidArgumentError, match=r"'cfg\.fn': values of type function"):
         olmo_chunks.save({"w": torch.zeros(2), "cfg": {"fn": lambda: 0}}, tmp_path / "x")
     assert not (tmp_path / "x" / olmo_chunks.MANIFEST_NAME).exists()
     with pytest.raises(InvalidArgumentError, match="object arrays"):

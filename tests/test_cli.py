@@ -7,10 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import olmo_chunks
 import pytest
 import torch
-
-import olmo_chunks
 from olmo_chunks import _core
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 import olmo_chunks
+import torch
 from olmo_chunks import checkpoint
 
 

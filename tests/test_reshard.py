@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
+import olmo_chunks
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import olmo_chunks
 from tests import world
 from tests.test_layout import build_placement, mesh_shapes
 
@@ -97,7 +97,9 @@ PAIRS = [(4, 2), (2, 4), (4, 3), (3, 1), (1, 4)]
 
 
 @pytest.mark.parametrize(("n", "m"), PAIRS)
-@settings(deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_resharded_load_is_bit_exact(tmp_path_factory, n, m, data):
     path = str(tmp_path_factory.mktemp("ckpt"))

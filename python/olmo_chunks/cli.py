@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -117,10 +118,8 @@ def _load_plugins() -> None:
     import importlib
 
     for mod in ("olmo_chunks.dcp", "olmo_chunks.export", "olmo_chunks.bench"):
-        try:
+        with contextlib.suppress(ImportError):
             importlib.import_module(mod)
-        except ImportError:
-            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "ChecksumError",
     "CheckpointNotFoundError",
+    "ChecksumError",
     "ConversionError",
     "CorruptCheckpointError",
     "CorruptManifestError",
