@@ -546,6 +546,26 @@ def test_tied_weights_load_into_their_one_tensor(tmp_path):
     assert torch.equal(tied, w)
 
 
+def test_fast_planner_reads_checkpoints_keyed_by_torch_2_3(tmp_path):
+    """torch <= 2.3 kept tensor-free dicts whole ("cfg", not "cfg.lr"); like DefaultLoadPlanner,
+    FastLoadPlanner falls back to that flattening when the checkpoint's keys call for it."""
+    from torch.distributed.checkpoint import _version
+
+    _version._derived_version = "2_3"
+    try:
+        dcp.save(
+            {"w": torch.arange(3.0), "cfg": {"lr": 0.5}},
+            storage_writer=dcp.FileSystemWriter(tmp_path),
+            no_dist=True,
+        )
+    finally:
+        _version._derived_version = None
+    assert "cfg" in dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+    sd = {"w": torch.zeros(3), "cfg": {"lr": 0.0}}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(tmp_path), planner=FastLoadPlanner(), no_dist=True)
+    assert sd["cfg"] == {"lr": 0.5} and torch.equal(sd["w"], torch.arange(3.0))
+
+
 def test_dtype_conversion_and_noncontiguous_destinations(tmp_path):
     """DCP copies with conversion: a bf16 destination of an fp32 checkpoint, and a transposed one."""
     full = _full((6, 4), torch.float32, 11)

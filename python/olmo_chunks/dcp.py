@@ -581,6 +581,8 @@ class FastLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata
         assert md is not None
+        if self.flatten_state_dict:
+            self._match_pre_2_4_keys(md)
         strict = not self.allow_partial_load
         requests: list[ReadItem] = []
         batch: list[tuple[str, torch.Size, list[ChunkStorageMetadata], list[ChunkStorageMetadata], int]] = []
@@ -627,6 +629,25 @@ class FastLoadPlanner(DefaultLoadPlanner):
         for i, r in enumerate(requests):
             out.extend(slots[i] if r is None else [r])
         return LoadPlan(out)
+
+    def _match_pre_2_4_keys(self, md: Metadata) -> None:
+        """As DefaultLoadPlanner does: if checkpoint keys are missing from the flattened state
+        dict, try DCP's pre-2.4 flattening, which keys checkpoints saved by torch <= 2.3."""
+        missing = set(md.state_dict_metadata) - set(self.state_dict)
+        if not missing:
+            return
+        try:
+            from torch.distributed.checkpoint import _version
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        except ImportError:  # pragma: no cover
+            return
+        _version._derived_version = "2_3"
+        try:
+            old_sd, old_mappings = flatten_state_dict(self.original_state_dict)
+        finally:
+            _version._derived_version = None
+        if set(old_sd) & missing:
+            self.state_dict, self.mappings = old_sd, old_mappings
 
 
 def read_items_for_chunk_lists(
