@@ -3,20 +3,19 @@ timed was bit-exact (the harness raises otherwise). No timing assertions."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 from olmo_chunks import bench
 
 from tests import world
 
 ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
 
 
 def test_model_spec_is_olmo_like_and_sized() -> None:
@@ -65,3 +64,42 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
         assert label in table
     assert json.loads(json.dumps(res)) == res
     assert not (tmp_path / "bench").exists()
+
+
+def _bench_script(name: str) -> ModuleType:
+    """A script of benches/ imported as a module (run in this process: no interpreter start-up)."""
+    spec = importlib.util.spec_from_file_location(f"benches_{name}", ROOT / "benches" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plan_scale_small_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _bench_script("plan_scale").main(["--ranks", "64", "--tensors", "6", "--reps", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("1-D", "2-D"))]
+    # three load cases (1-D, 2-D to 4x16, 2-D to 5x13), each by three planners
+    assert len(rows) == 9
+    assert {r[-4] for r in rows} == {"native", "ours-dcp", "dcp"}
+    for r in rows:
+        open_ms, plan_ms, items = float(r[-3]), float(r[-2]), int(r[-1])
+        assert open_ms >= 0 and plan_ms >= 0 and items > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
+def test_gpu_check_cpu_dry_run(tmp_path: Path) -> None:
+    assert _bench_script("gpu_check").main(["--cpu", "--gib", "0.01", "--json", str(tmp_path / "r.json")]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["load"]["exact"] is True and rep["compute_weights"]["dtype_ok"] is True
+    for step in ("save", "load", "compute_weights"):
+        assert rep[step]["gbps"] > 0 and rep[step]["samples"] >= 2
+        assert rep[step]["allocated_sampled_max_mib"] >= rep[step]["allocated_start_mib"]
+    assert rep["copy"]["h2d_gbps"] > 0 and rep["copy"]["d2h_gbps"] > 0
+    assert rep["save"]["of_d2h"] > 0 and rep["load"]["of_h2d"] > 0
+
+
+def test_gpu_check_skips_cleanly_without_cuda(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _bench_script("gpu_check").main([]) == 0
+    assert "skipped" in capsys.readouterr().out
