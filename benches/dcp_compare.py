@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from olmo_chunks.bench import timed  # the barrier-to-barrier timer olmo-chunks bench uses
 from olmo_chunks.dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner, read_items_for_chunk_lists
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -55,14 +56,6 @@ def _nbytes(sd: dict) -> int:
     return sum(v.numel() * v.element_size() for v in sd.values())
 
 
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
 def _worker(rank: int, size: int, rendezvous: str, root: str, total_mb: int, reps: int, out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
@@ -84,9 +77,9 @@ def _worker(rank: int, size: int, rendezvous: str, root: str, total_mb: int, rep
         for name, (writer, reader, planner) in cases.items():
             path = os.path.join(root, name.replace("(", "_").replace(")", "").replace("=", ""))
             w = writer(path)
-            saves[name].append(_timed(lambda w=w: dcp.save(src, storage_writer=w)))
+            saves[name].append(timed(lambda w=w: dcp.save(src, storage_writer=w)))
             dst, r, p = _state(mesh, total_mb, 1, False), reader(path), planner() if planner else None
-            loads[name].append(_timed(lambda dst=dst, r=r, p=p: dcp.load(dst, storage_reader=r, planner=p)))
+            loads[name].append(timed(lambda dst=dst, r=r, p=p: dcp.load(dst, storage_reader=r, planner=p)))
             want = _state(mesh, total_mb, 1, True)
             assert all(torch.equal(dst[k].to_local(), want[k].to_local()) for k in want), name
             dist.barrier()
