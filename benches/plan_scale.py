@@ -20,6 +20,7 @@ For each it times opening the checkpoint and planning one rank's load (best of `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,15 +45,26 @@ warnings.filterwarnings("ignore")
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-def cuts(n: int, parts: int) -> list[tuple[int, int]]:
-    """`(start, size)` of `torch.chunk`-style parts of `n` (trailing parts shorter or empty)."""
+def cut(n: int, parts: int, i: int) -> tuple[int, int]:
+    """`(start, size)` of `torch.chunk`-style part `i` of `n` (trailing parts shorter or empty)."""
     step = -(-n // parts)
-    return [(min(i * step, n), max(0, min((i + 1) * step, n) - min(i * step, n))) for i in range(parts)]
+    a = min(i * step, n)
+    return a, min(a + step, n) - a
+
+
+@functools.lru_cache(maxsize=64)
+def cuts(n: int, parts: int) -> list[tuple[int, int]]:
+    return [cut(n, parts, i) for i in range(parts)]
 
 
 def grid_boxes(shape: tuple[int, int], rows: int, cols: int) -> list[Box]:
     """Boxes of a `rows x cols` grid layout (row-major rank order); a 1-D layout has cols = 1."""
     return [((r0, c0), (rs, cs)) for r0, rs in cuts(shape[0], rows) for c0, cs in cuts(shape[1], cols)]
+
+
+def grid_box(shape: tuple[int, int], rows: int, cols: int, rank: int) -> Box:
+    (r0, rs), (c0, cs) = cut(shape[0], rows, rank // cols), cut(shape[1], cols, rank % cols)
+    return (r0, c0), (rs, cs)
 
 
 class LocalShard:
@@ -102,13 +114,23 @@ def best(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     return t, out
 
 
-def measure(path: str, tensors: list[tuple[str, tuple[int, int]]], load_grid: tuple[int, int], rank: int,
-            reps: int, dcp_dir: str) -> dict[str, Any]:
-    """Open + plan one rank's load of `path` for every planner."""
-    rows, cols = load_grid
-    mine = {key: [grid_boxes(shape, rows, cols)[rank]] for key, shape in tensors}
-    out: dict[str, Any] = {"load_grid": f"{rows}x{cols}", "rank": rank}
+def open_costs(path: str, dcp_dir: str, reps: int) -> tuple[dict[str, float], Any, Any]:
+    """Seconds to open the checkpoint for each planner (the DCP ones once: they take long), the
+    opened manifest and the DCP metadata our reader builds from it."""
     t_open, m = best(lambda: _core.Manifest.open(path), reps)
+    t_md, md = best(lambda: ChunkStoreReader(path).read_metadata(), 1)
+    with open(os.path.join(dcp_dir, ".metadata"), "wb") as f:
+        pickle.dump(md, f)  # the same metadata as DCP's own pickle
+    t_dopen, _ = best(lambda: FileSystemReader(dcp_dir).read_metadata(), 1)
+    return {"native": t_open, "ours-dcp": t_md, "dcp": t_dopen}, m, md
+
+
+def plan_costs(m: Any, md: Any, tensors: list[tuple[str, tuple[int, int]]], load_grid: tuple[int, int],
+               rank: int, reps: int) -> dict[str, Any]:
+    """Seconds to plan one rank's load for every planner, and the number of items (DCP read items)
+    or runs (the native planner's contiguous element runs) each returns."""
+    rows, cols = load_grid
+    mine = {key: [grid_box(shape, rows, cols, rank)] for key, shape in tensors}
     index = {t[0]: i for i, t in enumerate(m.tensors)}
     targets = []
     for key, _ in tensors:
@@ -116,29 +138,22 @@ def measure(path: str, tensors: list[tuple[str, tuple[int, int]]], load_grid: tu
             if 0 not in s:
                 targets.append((index[key], [(list(o), list(s), 0, [s[1], 1])]))
     t_plan, runs = best(lambda: m.plan_runs(targets), reps)
-    out["native"] = {"open_s": t_open, "plan_s": t_plan, "items": len(runs)}
+    out: dict[str, Any] = {"load_grid": f"{rows}x{cols}", "rank": rank,
+                           "native": {"plan_s": t_plan, "items": len(runs)}}
 
-    def state() -> dict[str, LocalShard]:
-        return {key: LocalShard(shape, mine[key]) for key, shape in tensors}
-
-    t_md, md = best(lambda: ChunkStoreReader(path).read_metadata(), max(1, reps - 1))
-
-    def plan(planner_cls: type, md: Any) -> Any:
+    def plan(planner_cls: type) -> Any:
         # what set_up_planner leaves for a flat state dict of real tensors (whose meta-tensor
         # initialisation and flattening would not accept these stand-ins)
         planner = planner_cls()
-        sd = state()
+        sd = {key: LocalShard(shape, mine[key]) for key, shape in tensors}
         planner.original_state_dict, planner.state_dict, planner.mappings = sd, sd, {}
         planner.metadata, planner.is_coordinator = md, False
         return planner.create_local_plan()
 
-    t_fast, fast = best(lambda: plan(FastLoadPlanner, md), reps)
-    out["ours-dcp"] = {"open_s": t_md, "plan_s": t_fast, "items": len(fast.items)}
-    with open(os.path.join(dcp_dir, ".metadata"), "wb") as f:
-        pickle.dump(md, f)
-    t_dopen, _ = best(lambda: FileSystemReader(dcp_dir).read_metadata(), max(1, reps - 1))
-    t_dcp, slow = best(lambda: plan(DefaultLoadPlanner, md), reps)
-    out["dcp"] = {"open_s": t_dopen, "plan_s": t_dcp, "items": len(slow.items)}
+    t_fast, fast = best(lambda: plan(FastLoadPlanner), reps)
+    t_dcp, slow = best(lambda: plan(DefaultLoadPlanner), reps)
+    out["ours-dcp"] = {"plan_s": t_fast, "items": len(fast.items)}
+    out["dcp"] = {"plan_s": t_dcp, "items": len(slow.items)}
     if len(slow.items) != len(fast.items):
         raise AssertionError(f"planners disagree: DCP {len(slow.items)} items, ours {len(fast.items)}")
     return out
@@ -165,8 +180,11 @@ def run(ranks: int, n_tensors: int, reps: int, root: str) -> dict[str, Any]:
             n = build(path, ranks, tensors, rows, cols)
             built = time.perf_counter() - t0
             size = os.path.getsize(os.path.join(path, _core.MANIFEST_NAME))
+            opens, m, md = open_costs(path, dcp_dir, reps)
             for grid, rank in loads:
-                r = measure(path, tensors, grid, rank, reps, dcp_dir)
+                r = plan_costs(m, md, tensors, grid, rank, reps)
+                for who, t in opens.items():
+                    r[who]["open_s"] = t
                 r.update(case=name, saved_grid=f"{rows}x{cols}", chunks=n, manifest_bytes=size, build_s=built,
                          dcp_metadata_bytes=os.path.getsize(os.path.join(dcp_dir, ".metadata")))
                 results["cases"].append(r)
