@@ -246,19 +246,19 @@ fn perturb(rng: &mut Seeded, shape: &[u64], regions: &mut Vec<Region>) {
                 Region::Box { offsets, sizes } if !sizes.is_empty() => {
                     let d = rng.below(sizes.len() as u64) as usize;
                     match (grow, rng.chance(50)) {
-                        (true, true) => sizes[d] += 1,
+                        (true, true) => sizes[d] = sizes[d].wrapping_add(1),
                         (true, false) if offsets[d] > 0 => {
                             offsets[d] -= 1;
-                            sizes[d] += 1;
+                            sizes[d] = sizes[d].wrapping_add(1);
                         }
                         (false, _) if sizes[d] > 0 => sizes[d] -= 1,
-                        _ => offsets[d] += 1,
+                        _ => offsets[d] = offsets[d].wrapping_add(1),
                     }
                 }
                 Region::Flat { start, len } => match (grow, rng.chance(50)) {
-                    (true, _) => *len += 1,
+                    (true, _) => *len = len.wrapping_add(1),
                     (false, true) if *len > 0 => *len -= 1,
-                    _ => *start += 1,
+                    _ => *start = start.wrapping_add(1),
                 },
                 _ => {}
             }
@@ -392,4 +392,51 @@ fn coverage_of_empty_and_scalar_tensors() {
         &[1 << 40, 1 << 40],
         &[]
     )));
+}
+
+/// An uneven shard can be empty (e.g. 3 rows over 4 ranks) and still be listed as a chunk;
+/// planning must skip it, whether it scans the chunks (few pieces) or indexes them (many).
+#[test]
+fn empty_saved_boxes_are_skipped() {
+    let tensor = SavedTensor {
+        key: "w".into(),
+        dtype: "float32".into(),
+        shape: vec![4, 3],
+        regions: vec![
+            Region::Box {
+                offsets: vec![2, 0],
+                sizes: vec![0, 3],
+            },
+            Region::Box {
+                offsets: vec![0, 0],
+                sizes: vec![4, 3],
+            },
+            Region::Flat { start: 5, len: 0 },
+        ],
+    };
+    assert!(check_coverage("w", &tensor.shape, &tensor.regions).is_ok());
+    let m = in_memory_manifest(std::slice::from_ref(&tensor), 64);
+    let whole = Target {
+        tensor: 0,
+        pieces: Region::Flat { start: 0, len: 12 }.pieces(&tensor.shape),
+        dest: 0,
+        dest_len: 48,
+    };
+    let mut rng = Seeded::new(1);
+    let mut singles = Vec::new();
+    for i in 0..4 {
+        for j in 0..3 {
+            let (p, _) = strided_piece(&mut rng, vec![i, j], vec![1, 1], i * 3 + j);
+            singles.push(p);
+        }
+    }
+    let many = Target {
+        pieces: singles,
+        ..whole.clone()
+    };
+    for t in [whole, many] {
+        let runs = plan_runs(&m, &[t]).unwrap();
+        assert_eq!(runs.iter().map(|r| r.len).sum::<u64>(), 12);
+        assert!(runs.iter().all(|r| r.src == 1));
+    }
 }
