@@ -248,7 +248,7 @@ def _load_tensors(manifest: _core.Manifest, saved: dict, wanted: list[tuple[str,
     size = STAGING_BYTES
     for item in staged:
         nbytes = item[1].local.numel() * item[1].local.element_size()
-        if size + nbytes > STAGING_BYTES:
+        if not batches or size + nbytes > STAGING_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(item)

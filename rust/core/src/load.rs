@@ -7,7 +7,7 @@ use crate::dtype::itemsize;
 use crate::error::{CoreError, Result};
 use crate::io::ByteCopy;
 use crate::manifest::Manifest;
-use crate::plan::{check_coverage, Run, TensorPlanner};
+use crate::plan::{check_coverage, plan_scan, Run, TensorPlanner};
 use crate::region::Piece;
 
 /// What one destination buffer wants from one tensor: pieces of the global tensor and where each
@@ -20,6 +20,10 @@ pub struct Target {
     /// Size of the destination buffer in bytes.
     pub dest_len: u64,
 }
+
+/// Up to this many target pieces per tensor, planning scans the saved chunks instead of indexing
+/// them: `pieces x chunks` box tests beat building the index once per load.
+const SCAN_LIMIT: usize = 8;
 
 /// Element runs per target, computed with one planner per tensor. Fails if a target lies outside
 /// its tensor, overflows its buffer, or is not fully covered by saved chunks.
@@ -40,12 +44,11 @@ pub fn plan_runs(m: &Manifest, targets: &[Target]) -> Result<Vec<Run>> {
     for (ti, ids) in tensors {
         let meta = &m.tensors[ti];
         let item = itemsize(&meta.dtype).expect("validated at decode");
-        let regions: Vec<_> = m
-            .tensor_chunks(ti)
-            .iter()
-            .map(|c| c.region.clone())
-            .collect();
-        let planner = TensorPlanner::new(&meta.shape, &regions);
+        let regions = m.tensor_chunks(ti).iter().map(|c| &c.region);
+        // A few target pieces (one rank's share) scan the chunks; many build the band index.
+        let target_pieces: usize = ids.iter().map(|&i| targets[i].pieces.len()).sum();
+        let planner =
+            (target_pieces > SCAN_LIMIT).then(|| TensorPlanner::new(&meta.shape, regions.clone()));
         let base = m.chunk_start[ti];
         for i in ids {
             let t = &targets[i];
@@ -80,7 +83,10 @@ pub fn plan_runs(m: &Manifest, targets: &[Target]) -> Result<Vec<Run>> {
                 want += p.numel();
             }
             let before = runs.len();
-            planner.plan(i, &t.pieces, &mut runs);
+            match &planner {
+                Some(planner) => planner.plan(i, &t.pieces, &mut runs),
+                None => plan_scan(&meta.shape, regions.clone(), i, &t.pieces, &mut runs),
+            }
             let got: u64 = runs[before..].iter().map(|r| r.len).sum();
             if got != want {
                 return Err(CoreError::layout(

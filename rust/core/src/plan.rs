@@ -24,10 +24,10 @@ pub struct TensorPlanner {
 
 impl TensorPlanner {
     /// `chunks` must already be bounds-checked against `shape`.
-    pub fn new(shape: &[u64], chunks: &[Region]) -> Self {
+    pub fn new<'a>(shape: &[u64], chunks: impl IntoIterator<Item = &'a Region>) -> Self {
         let mut pieces = Vec::new();
         let mut piece_chunk = Vec::new();
-        for (c, region) in chunks.iter().enumerate() {
+        for (c, region) in chunks.into_iter().enumerate() {
             for p in region.pieces(shape) {
                 pieces.push(p);
                 piece_chunk.push(c);
@@ -71,6 +71,71 @@ impl TensorPlanner {
                             },
                         )
                     });
+                }
+            }
+        }
+    }
+}
+
+/// Plans like [`TensorPlanner::plan`] by scanning every saved chunk, without building an index.
+/// Cheaper when a tensor has only a few target pieces (one rank's load of a many-rank save);
+/// the runs come out in the same order.
+pub fn plan_scan<'a>(
+    shape: &[u64],
+    chunks: impl IntoIterator<Item = &'a Region> + Clone,
+    dst: usize,
+    target: &[Piece],
+    out: &mut Vec<Run>,
+) {
+    let global = crate::region::row_major_strides(shape);
+    let canon = |g: &[u64]| -> u64 { g.iter().zip(&global).map(|(a, b)| a * b).sum() };
+    for t in target {
+        if t.sizes.contains(&0) {
+            continue;
+        }
+        let last: Vec<u64> = t
+            .offsets
+            .iter()
+            .zip(&t.sizes)
+            .map(|(o, n)| o + n - 1)
+            .collect();
+        let span = (canon(&t.offsets), canon(&last) + 1);
+        let emit = |src: usize, s: &Piece, out: &mut Vec<Run>| {
+            if let Some((off, size)) = intersect_boxes(&s.offsets, &s.sizes, &t.offsets, &t.sizes) {
+                for_each_run(&off, &size, s, t, |src_elem, dst_elem, len| {
+                    push_merged(
+                        out,
+                        Run {
+                            src,
+                            src_elem,
+                            dst,
+                            dst_elem,
+                            len,
+                        },
+                    )
+                });
+            }
+        };
+        for (src, region) in chunks.clone().into_iter().enumerate() {
+            match region {
+                Region::Box { offsets, sizes } => {
+                    let overlaps = (0..offsets.len()).all(|d| {
+                        offsets[d] < t.offsets[d] + t.sizes[d]
+                            && t.offsets[d] < offsets[d] + sizes[d]
+                    });
+                    if overlaps {
+                        // Empty boxes have no pieces.
+                        for p in region.pieces(shape) {
+                            emit(src, &p, out);
+                        }
+                    }
+                }
+                Region::Flat { start, len } => {
+                    if *start < span.1 && start + len > span.0 {
+                        for p in region.pieces(shape) {
+                            emit(src, &p, out);
+                        }
+                    }
                 }
             }
         }

@@ -105,6 +105,10 @@ fn region_from_py(kind: &str, a: Vec<u64>, b: Vec<u64>) -> Result<Region, CoreEr
 }
 
 type PyPiece = (Vec<u64>, Vec<u64>, u64, Vec<u64>);
+/// `(chunk_in_tensor, src_elem, target, dst_elem, len)`
+type PyRun = (usize, u64, usize, u64, u64);
+/// `(key, dtype, shape, role, chunks)`
+type PyTensor = (String, String, Vec<u64>, String, Vec<PyChunk>);
 
 /// A decoded, validated checkpoint manifest.
 #[pyclass(name = "Manifest", module = "olmo_chunks._core", frozen)]
@@ -223,7 +227,7 @@ impl PyManifest {
         &self,
         py: Python<'_>,
         targets: Vec<(usize, Vec<PyPiece>)>,
-    ) -> PyResult<Vec<(usize, u64, usize, u64, u64)>> {
+    ) -> PyResult<Vec<PyRun>> {
         let m = self.inner.clone();
         let targets: Vec<core::Target> = targets
             .into_iter()
@@ -394,13 +398,14 @@ type PyChunk = (String, Vec<u64>, Vec<u64>, u32, u64, u64, Vec<u8>);
 /// chunks `(kind, a, b, file, offset, nbytes, checksums_le_bytes)`.
 #[pyfunction]
 #[pyo3(signature = (dir, save_id, block_size, files, tensors, entries_json, info_json))]
+#[allow(clippy::too_many_arguments)]
 fn commit(
     py: Python<'_>,
     dir: PathBuf,
     save_id: String,
     block_size: u64,
     files: Vec<(String, u64)>,
-    tensors: Vec<(String, String, Vec<u64>, String, Vec<PyChunk>)>,
+    tensors: Vec<PyTensor>,
     entries_json: &str,
     info_json: &str,
 ) -> PyResult<PyManifest> {
