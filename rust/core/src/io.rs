@@ -2,6 +2,7 @@
 //! chunks straight into destination memory, verifying checksums on the way.
 
 use std::fs::{self, File, OpenOptions};
+use std::io::IoSliceMut;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -271,46 +272,73 @@ pub fn read_into(
     let job = |u: Unit<'_>| -> Result<()> {
         let ch = &m.chunks[u.chunk];
         let (f, path) = files[ch.file as usize].as_ref().unwrap();
-        let read = |buf: &mut [u8]| -> Result<()> {
-            f.read_exact_at(buf, ch.offset + u.start)
-                .map_err(|e| match e.kind() {
-                    std::io::ErrorKind::UnexpectedEof => {
-                        let (key, chunk) = chunk_name(m, u.chunk);
-                        CoreError::Truncated {
-                            path: path.clone(),
-                            key,
-                            chunk,
-                            needed: ch.offset + u.end,
-                            size: 0,
-                        }
-                    }
-                    _ => CoreError::io(path, e),
-                })
+        let io_err = |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                let (key, chunk) = chunk_name(m, u.chunk);
+                let size = f.metadata().map_or(0, |md| md.len());
+                CoreError::Truncated {
+                    path: path.clone(),
+                    key,
+                    chunk,
+                    needed: ch.offset + u.end,
+                    size,
+                }
+            }
+            _ => CoreError::io(path, e),
         };
-        let check = |buf: &[u8]| {
+        let read = |buf: &mut [u8]| f.read_exact_at(buf, ch.offset + u.start).map_err(io_err);
+        let read_vectored = |segs: &mut [&mut [u8]]| {
+            read_exact_vectored_at(f, segs, ch.offset + u.start).map_err(io_err)
+        };
+        let check = |segs: &[&[u8]]| {
             if verify {
-                check_blocks(m, u.chunk, ch, u.start, buf, path)
+                check_blocks(m, u.chunk, ch, u.start, segs, path)
             } else {
                 Ok(())
             }
         };
         let mut parts = u.parts;
-        if parts.len() == 1 && parts[0].0 == 0 && parts[0].1.len() as u64 == u.end - u.start {
-            let dst = &mut *parts[0].1;
-            read(dst)?;
-            check(dst)
-        } else {
-            STAGING.with_borrow_mut(|buf| {
-                buf.resize((u.end - u.start) as usize, 0);
-                read(buf)?;
-                check(buf)?;
+        parts.sort_unstable_by_key(|p| p.0);
+        let disjoint = parts
+            .windows(2)
+            .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0);
+        STAGING.with_borrow_mut(|scratch| {
+            let len = (u.end - u.start) as usize;
+            if !disjoint {
+                // Two targets want the same bytes: read once, copy to each.
+                scratch.resize(len, 0);
+                read(scratch)?;
+                check(&[&scratch[..]])?;
                 for (off, dst) in parts.iter_mut() {
                     let n = dst.len();
-                    dst.copy_from_slice(&buf[*off as usize..*off as usize + n]);
+                    dst.copy_from_slice(&scratch[*off as usize..*off as usize + n]);
                 }
-                Ok(())
-            })
-        }
+                return Ok(());
+            }
+            // One vectored read straight into the destinations; bytes no target wants land in
+            // scratch (they are read anyway, for the block checksums).
+            let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
+            scratch.resize(len - wanted, 0);
+            let mut spare: &mut [u8] = &mut scratch[..];
+            let mut segs: Vec<&mut [u8]> = Vec::with_capacity(2 * parts.len() + 1);
+            let mut pos = 0usize;
+            for (off, dst) in parts.iter_mut() {
+                let off = *off as usize;
+                if off > pos {
+                    let (gap, rest) = std::mem::take(&mut spare).split_at_mut(off - pos);
+                    segs.push(gap);
+                    spare = rest;
+                }
+                pos = off + dst.len();
+                segs.push(&mut **dst);
+            }
+            if len > pos {
+                segs.push(spare);
+            }
+            read_vectored(&mut segs)?;
+            let segs: Vec<&[u8]> = segs.into_iter().map(|s| &*s).collect();
+            check(&segs)
+        })
     };
     run_parallel(units, workers, job)
 }
@@ -320,32 +348,72 @@ thread_local! {
     static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Checks the block checksums of chunk bytes `start..` held, in order, by `segs`.
 fn check_blocks(
     m: &Manifest,
     c: usize,
     ch: &Chunk,
     start: u64,
-    buf: &[u8],
+    segs: &[&[u8]],
     path: &Path,
 ) -> Result<()> {
-    let bs = m.block_size;
+    let bs = m.block_size as usize;
     let crcs = m.chunk_checksums(ch);
-    for (k, block) in buf.chunks(bs as usize).enumerate() {
-        let b = (start / bs) as usize + k;
-        let found = crc32c::crc32c(block);
-        if found != crcs[b] {
-            let (key, chunk) = chunk_name(m, c);
-            let s = ch.offset + b as u64 * bs;
-            return Err(CoreError::ChecksumMismatch {
-                path: path.to_path_buf(),
-                key,
-                chunk,
-                start: s,
-                end: s + block.len() as u64,
-                expected: crcs[b],
-                found,
-            });
+    let (mut block, mut filled, mut crc) = ((start / m.block_size) as usize, 0usize, 0u32);
+    let total: usize = segs.iter().map(|s| s.len()).sum();
+    let mut seen = 0usize;
+    let finish = |block: usize, crc: u32, len: usize| -> Result<()> {
+        if crc == crcs[block] {
+            return Ok(());
         }
+        let (key, chunk) = chunk_name(m, c);
+        let s = ch.offset + block as u64 * m.block_size;
+        Err(CoreError::ChecksumMismatch {
+            path: path.to_path_buf(),
+            key,
+            chunk,
+            start: s,
+            end: s + len as u64,
+            expected: crcs[block],
+            found: crc,
+        })
+    };
+    for seg in segs {
+        let mut rest = *seg;
+        while !rest.is_empty() {
+            let n = rest.len().min(bs - filled);
+            crc = crc32c::crc32c_append(crc, &rest[..n]);
+            filled += n;
+            seen += n;
+            rest = &rest[n..];
+            if filled == bs || seen == total {
+                finish(block, crc, filled)?;
+                (block, filled, crc) = (block + 1, 0, 0);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `read_exact_at` into several buffers at once (preadv), straight where the bytes belong.
+fn read_exact_vectored_at(
+    f: &File,
+    segs: &mut [&mut [u8]],
+    mut offset: u64,
+) -> std::io::Result<()> {
+    const IOV_MAX: usize = 1024;
+    let mut iov: Vec<IoSliceMut<'_>> = segs.iter_mut().map(|s| IoSliceMut::new(s)).collect();
+    let mut bufs: &mut [IoSliceMut<'_>] = &mut iov;
+    while !bufs.is_empty() {
+        let k = bufs.len().min(IOV_MAX);
+        let n = match rustix::io::preadv(f, &mut bufs[..k], offset) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        offset += n as u64;
+        IoSliceMut::advance_slices(&mut bufs, n);
     }
     Ok(())
 }
@@ -480,7 +548,7 @@ pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
                     }
                     _ => CoreError::io(path, err),
                 })?;
-            check_blocks(m, c, ch, s, buf, path)
+            check_blocks(m, c, ch, s, &[&buf[..]], path)
         })
     })?;
     Ok(total)
