@@ -18,7 +18,7 @@ from . import _core, values
 from ._dist import Group
 from .errors import InvalidArgumentError, MismatchError
 from .roles import resolve_role
-from .shards import TensorShard, describe, dtype_name, torch_dtype
+from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import Leaf, flatten
 
 __all__ = ["LoadReport", "load", "save"]
@@ -216,19 +216,7 @@ def save(
 def _stage_needed(local: torch.Tensor) -> bool:
     """True when `local` cannot take bytes directly: not on the CPU, or with elements sharing
     memory."""
-    return not (local.device.type == "cpu" and _dense(local))
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """True if no two elements of `t` share memory."""
-    extent = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda x: x[1]):
-        if size == 1:
-            continue
-        if stride < extent:
-            return False
-        extent = stride * size
-    return True
+    return not (local.device.type == "cpu" and is_dense(local))
 
 
 def _extent_bytes(t: torch.Tensor) -> int:

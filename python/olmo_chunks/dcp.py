@@ -71,7 +71,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .roles import resolve_role
-from .shards import dtype_name, torch_dtype
+from .shards import dtype_name, is_dense, torch_dtype
 
 __all__ = ["ChunkStoreReader", "ChunkStoreWriter", "FastLoadPlanner", "import_dcp"]
 
@@ -558,14 +558,7 @@ def _direct(dest: torch.Tensor, saved_dtype: torch.dtype) -> bool:
         return False
     if (dest.data_ptr() - dest.untyped_storage().data_ptr()) % dest.element_size():
         return False
-    extent = 1
-    for size, stride in sorted(zip(dest.shape, dest.stride(), strict=True), key=lambda x: x[1]):
-        if size == 1:
-            continue
-        if stride < extent:
-            return False
-        extent = stride * size
-    return True
+    return is_dense(dest)
 
 
 # --------------------------------------------------------------------------------------------

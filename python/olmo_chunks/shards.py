@@ -13,7 +13,7 @@ from . import _core
 from .errors import InvalidArgumentError
 from .layout import Piece, dtensor_pieces
 
-__all__ = ["ChunkSource", "TensorShard", "describe", "dtype_name", "torch_dtype"]
+__all__ = ["ChunkSource", "TensorShard", "describe", "dtype_name", "is_dense", "torch_dtype"]
 
 
 @dataclass
@@ -81,6 +81,18 @@ def describe(key: str, value: Any) -> TensorShard:
     if isinstance(value, ChunkSource):
         return value.tensor_shard()
     raise InvalidArgumentError(f"{key!r}: {type(value).__name__} is not a tensor")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True if no two elements of `t` share memory (so bytes can be written straight into it)."""
+    extent = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda x: x[1]):
+        if size == 1:
+            continue
+        if stride < extent:
+            return False
+        extent = stride * size
+    return True
 
 
 def dtype_name(dtype: torch.dtype) -> str:

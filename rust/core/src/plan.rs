@@ -54,26 +54,27 @@ impl TensorPlanner {
             self.index.query(&t.offsets, &t.sizes, |i| hits.push(i));
             hits.sort_unstable();
             for i in hits {
-                let s = &self.pieces[i];
-                let src = self.piece_chunk[i];
-                if let Some((off, size)) =
-                    intersect_boxes(&s.offsets, &s.sizes, &t.offsets, &t.sizes)
-                {
-                    for_each_run(&off, &size, s, t, |src_elem, dst_elem, len| {
-                        push_merged(
-                            out,
-                            Run {
-                                src,
-                                src_elem,
-                                dst,
-                                dst_elem,
-                                len,
-                            },
-                        )
-                    });
-                }
+                emit_runs(self.piece_chunk[i], &self.pieces[i], dst, t, out);
             }
         }
+    }
+}
+
+/// Appends the runs copying the overlap of saved piece `s` (of chunk `src`) into target piece `t`.
+fn emit_runs(src: usize, s: &Piece, dst: usize, t: &Piece, out: &mut Vec<Run>) {
+    if let Some((off, size)) = intersect_boxes(&s.offsets, &s.sizes, &t.offsets, &t.sizes) {
+        for_each_run(&off, &size, s, t, |src_elem, dst_elem, len| {
+            push_merged(
+                out,
+                Run {
+                    src,
+                    src_elem,
+                    dst,
+                    dst_elem,
+                    len,
+                },
+            )
+        });
     }
 }
 
@@ -100,22 +101,6 @@ pub fn plan_scan<'a>(
             .map(|(o, n)| o + n - 1)
             .collect();
         let span = (canon(&t.offsets), canon(&last) + 1);
-        let emit = |src: usize, s: &Piece, out: &mut Vec<Run>| {
-            if let Some((off, size)) = intersect_boxes(&s.offsets, &s.sizes, &t.offsets, &t.sizes) {
-                for_each_run(&off, &size, s, t, |src_elem, dst_elem, len| {
-                    push_merged(
-                        out,
-                        Run {
-                            src,
-                            src_elem,
-                            dst,
-                            dst_elem,
-                            len,
-                        },
-                    )
-                });
-            }
-        };
         for (src, region) in chunks.clone().into_iter().enumerate() {
             match region {
                 Region::Box { offsets, sizes } => {
@@ -126,14 +111,14 @@ pub fn plan_scan<'a>(
                     if overlaps {
                         // Empty boxes have no pieces.
                         for p in region.pieces(shape) {
-                            emit(src, &p, out);
+                            emit_runs(src, &p, dst, t, out);
                         }
                     }
                 }
                 Region::Flat { start, len } => {
                     if *start < span.1 && start + len > span.0 {
                         for p in region.pieces(shape) {
-                            emit(src, &p, out);
+                            emit_runs(src, &p, dst, t, out);
                         }
                     }
                 }
