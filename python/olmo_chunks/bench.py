@@ -386,8 +386,9 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
         out = torch.zeros(share[1], dtype=torch.uint8)
         peak.start = _status("VmRSS")  # the destination is not extra
         return timed(lambda: _raw_read(raw_files, share[0], out))
-    if method == "native":
-        return timed(lambda: checkpoint.load(held.native, path, process_group=group))
+    if method in ("native", "native-noverify"):
+        verify = method == "native"
+        return timed(lambda: checkpoint.load(held.native, path, process_group=group, verify=verify))
     if method == "ours-dcp":
         return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path),
                                       planner=FastLoadPlanner(), process_group=group))
@@ -445,12 +446,12 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
                 if a2 != a:
                     continue
                 dst = _hold(specs, b, rank)
-                for method in ["raw", *contenders]:
+                for method in ["raw", "native", "native-noverify", *contenders[1:]]:
                     if dst is not None:
                         for t in dst.locals.values():
                             t.zero_()
                     with _PeakRss() as peak:
-                        seconds = _load_step(method, dst, paths.get(method, ""), raw_files,
+                        seconds = _load_step(method, dst, paths.get(method.split("-noverify")[0], ""), raw_files,
                                              _share(total, b.ranks, rank), groups[b.ranks], peak)
                     if dst is not None and method != "raw" and rep == 0 and opts.verify:
                         _check(dst, f"{name} {method}")
@@ -541,6 +542,7 @@ def machine_info(path: str = "/tmp") -> dict[str, Any]:
 _NAMES = {
     "raw": "roofline",
     "native": "olmo_chunks native",
+    "native-noverify": "olmo_chunks native, verify=False",
     "ours-dcp": "olmo_chunks via DCP",
 }
 
