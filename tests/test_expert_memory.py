@@ -55,22 +55,36 @@ def test_writer_gets_the_live_storage_replicated(tmp_path):
 
 
 RSS_PROBE = textwrap.dedent("""
-    import json, resource, sys, torch, olmo_chunks as oc
+    import json, sys, threading, psutil, torch, olmo_chunks as oc
     from olmo_chunks.experts import ExpertLayout
     torch.set_num_threads(1)
     path, mib = sys.argv[1], int(sys.argv[2])
     n = mib * 2**20 // 4
     lo = ExpertLayout(64, (n // 64,))
     storage = torch.randn(lo.local_numel)
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    before = peak()
-    oc.save({"experts": lo.view(storage)}, path + "/view")
-    after_view = peak()
+    proc = psutil.Process()
+
+    def growth(fn):
+        # Peak resident memory while fn runs, above what was resident just before (sampled).
+        base = proc.memory_info().rss
+        peak, done = [base], threading.Event()
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                done.wait(0.001)
+        t = threading.Thread(target=sample)
+        t.start()
+        try:
+            fn()
+        finally:
+            done.set()
+            t.join()
+        return max(peak[0], proc.memory_info().rss) - base
+
+    view = growth(lambda: oc.save({"experts": lo.view(storage)}, path + "/view"))
     # Control: a transposed view must be made contiguous, i.e. copied, before writing.
-    oc.save({"experts": storage.reshape(64, -1).t()}, path + "/copy")
-    after_copy = peak()
-    print(json.dumps({"storage": storage.numel() * 4, "view": after_view - before,
-                      "copy": after_copy - after_view}))
+    copy = growth(lambda: oc.save({"experts": storage.reshape(64, -1).t()}, path + "/copy"))
+    print(json.dumps({"storage": storage.numel() * 4, "view": view, "copy": copy}))
 """)
 
 
