@@ -30,12 +30,24 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0 (None elsewhere): metadata flows to one rank, not to all."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=self._root, group=self.pg)
+        return out
+
+    @property
+    def _root(self) -> int:
+        return dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank."""
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0) if self.pg else 0, group=self.pg)
+        dist.broadcast_object_list(box, src=self._root, group=self.pg)
         return box[0]
 
     def agree(self, fn: Callable[[], T]) -> T:
@@ -55,21 +67,26 @@ class Group:
             raise failure
         return result  # type: ignore[return-value]
 
-    def on_root(self, fn: Callable[[], T]) -> T:
-        """Runs `fn` on rank 0 and hands its result (or its failure) to every rank."""
+    def on_root(self, fn: Callable[[], Any], *, scatter: bool = False) -> Any:
+        """Runs `fn` on rank 0 and hands its result (or its failure) to every rank. With `scatter`,
+        `fn` returns one item per rank and each rank receives only its own."""
         if self.size == 1:
-            return fn()
-        outcome: tuple[bool, Any] = (True, None)
+            return fn()[0] if scatter else fn()
+        result: Any = None
         failure: Exception | None = None
         if self.rank == 0:
             try:
-                outcome = (True, fn())
+                result = fn()
             except Exception as exc:
                 failure = exc
-                outcome = (False, f"{type(exc).__name__}: {exc}")
-        ok, value = self.broadcast(outcome)
+        report = None if failure is None else f"{type(failure).__name__}: {failure}"
+        report, value = self.broadcast((report, None if scatter else result))
         if failure is not None:
             raise failure
-        if not ok:
-            raise RankFailedError(f"rank 0 failed: {value}")
-        return value
+        if report is not None:
+            raise RankFailedError(f"rank 0 failed: {report}")
+        if not scatter:
+            return value
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, result if self.rank == 0 else None, src=self._root, group=self.pg)
+        return mine[0]

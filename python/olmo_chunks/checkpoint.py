@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -50,10 +51,6 @@ def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None) -> d
                 shard.role = resolve_role(key, shard.local, roles)
             shards[key] = shard
     return shards
-
-
-def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous() if t.device.type == "cpu" else t
 
 
 def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
@@ -114,7 +111,7 @@ def _plan(gathered: list[tuple[dict, dict]]) -> tuple[str, list[list[int]], dict
             for kind, a, b in regions:
                 rk = (key, (kind, tuple(a), tuple(b)))
                 holders.setdefault(rk, []).append(rank * (1 << 32) + i)
-                sizes[rk] = item * (b[0] if kind == "flat" else _prod(b))
+                sizes[rk] = item * (b[0] if kind == "flat" else math.prod(b))
                 i += 1
         for key, v in plain.items():
             entries.setdefault(key, v)
@@ -129,13 +126,6 @@ def _plan(gathered: list[tuple[dict, dict]]) -> tuple[str, list[list[int]], dict
         load[rank] += sizes[rk]
         assign[rank].append(i)
     return uuid.uuid4().hex, assign, schema, entries
-
-
-def _prod(xs: Any) -> int:
-    n = 1
-    for x in xs:
-        n *= int(x)
-    return n
 
 
 def commit_manifest(path: Path, save_id: str, block_size: int, schema: Mapping[str, tuple],
@@ -199,15 +189,22 @@ def save(
         return shards, tensors, plain, local_chunks
 
     shards, tensors, plain, local_chunks = group.agree(describe_local)
-    gathered = group.all_gather((tensors, plain))
-    save_id, assign, schema, entries = group.on_root(lambda: _plan(gathered))
     del shards
-    mine = [local_chunks[i] for i in assign[group.rank]]
-    written = group.agree(lambda: _write(path, save_id, group.rank, mine, block_size, workers))
-    all_written = group.all_gather(written)
+    # Chunk metadata goes to rank 0 only, and each rank gets back only its own assignment.
+    gathered = group.gather((tensors, plain))
+    root: dict[str, Any] = {}
+
+    def plan() -> list[tuple[str, list[int]]]:
+        save_id, assign, root["schema"], root["entries"] = _plan(gathered)  # type: ignore[arg-type]
+        return [(save_id, mine) for mine in assign]
+
+    save_id, mine = group.on_root(plan, scatter=True)
+    chunks = [local_chunks[i] for i in mine]
+    written = group.agree(lambda: _write(path, save_id, group.rank, chunks, block_size, workers))
+    all_written = group.gather(written)
 
     def commit() -> None:
-        commit_manifest(path, save_id, block_size, schema, all_written, entries,
+        commit_manifest(path, save_id, block_size, root["schema"], all_written, root["entries"],  # type: ignore[arg-type]
                         {"writer": "olmo_chunks", "world_size": group.size, **(dict(info) if info else {})})
 
     group.on_root(commit)
