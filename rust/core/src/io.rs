@@ -246,32 +246,32 @@ pub fn read_into(
         rest[c.dst] = Some((c.dst_off + c.len, tail));
     }
     // Open and size-check every data file that is needed.
-    let mut files: Vec<Option<(File, PathBuf)>> = (0..m.files.len()).map(|_| None).collect();
+    let mut files: Vec<Option<(File, PathBuf, u64)>> = (0..m.files.len()).map(|_| None).collect();
     for c in &copies {
         let ch = &m.chunks[c.chunk];
         let slot = &mut files[ch.file as usize];
         if slot.is_none() {
             let path = m.file_path(dir, ch.file);
             let f = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
-            *slot = Some((f, path));
+            let size = f.metadata().map_err(|e| CoreError::io(&path, e))?.len();
+            *slot = Some((f, path, size));
         }
-        let (f, path) = slot.as_ref().unwrap();
-        let size = f.metadata().map_err(|e| CoreError::io(path, e))?.len();
-        if ch.offset + ch.len > size {
+        let (_, path, size) = slot.as_ref().unwrap();
+        if ch.offset + ch.len > *size {
             let (key, chunk) = chunk_name(m, c.chunk);
             return Err(CoreError::Truncated {
                 path: path.clone(),
                 key,
                 chunk,
                 needed: ch.offset + ch.len,
-                size,
+                size: *size,
             });
         }
     }
     let units = make_units(m, &copies, slices);
     let job = |u: Unit<'_>| -> Result<()> {
         let ch = &m.chunks[u.chunk];
-        let (f, path) = files[ch.file as usize].as_ref().unwrap();
+        let (f, path, _) = files[ch.file as usize].as_ref().unwrap();
         let io_err = |e: std::io::Error| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {
                 let (key, chunk) = chunk_name(m, u.chunk);
@@ -302,7 +302,7 @@ pub fn read_into(
         let disjoint = parts
             .windows(2)
             .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0);
-        STAGING.with_borrow_mut(|scratch| {
+        with_scratch(|scratch| {
             let len = (u.end - u.start) as usize;
             if !disjoint {
                 // Two targets want the same bytes: read once, copy to each.
@@ -343,9 +343,23 @@ pub fn read_into(
     run_parallel(units, workers, job)
 }
 
-thread_local! {
-    /// Per-worker staging buffer for units that scatter to several places (bounded by MAX_UNIT).
-    static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+/// Scratch buffers kept across calls: worker threads live for one call only, and fresh pages cost
+/// a kernel zero-fill on first touch. At most one buffer per worker of the widest call is kept,
+/// each at most one unit. `try_lock` never waits, so a child forked while a load runs in another
+/// thread (whose lock then stays held) allocates its own buffers instead of hanging.
+static SCRATCH: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+fn with_scratch<R>(f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    let mut buf = SCRATCH
+        .try_lock()
+        .ok()
+        .and_then(|mut pool| pool.pop())
+        .unwrap_or_default();
+    let out = f(&mut buf);
+    if let Ok(mut pool) = SCRATCH.try_lock() {
+        pool.push(buf);
+    }
+    out
 }
 
 /// Checks the block checksums of chunk bytes `start..` held, in order, by `segs`.
@@ -531,7 +545,7 @@ pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
     run_parallel(work, workers, |(c, s, e)| {
         let ch = &m.chunks[c];
         let (f, path) = &files[ch.file as usize];
-        STAGING.with_borrow_mut(|buf| {
+        with_scratch(|buf| {
             buf.resize((e - s) as usize, 0);
             f.read_exact_at(buf, ch.offset + s)
                 .map_err(|err| match err.kind() {
