@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_memory_check import Sampler  # the memory sampler, shared with that check
+from gpu_memory_check import Sampler, pick_device  # shared with that check
 
 NUM_EXPERTS = 8
 
@@ -221,12 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the report here")
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU when there is no CUDA")
     args = ap.parse_args(argv)
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif args.cpu:
-        device = "cpu"
-    else:
-        print("gpu_check: no CUDA device; skipped (use --cpu for a dry run)")
+    device = pick_device(args.cpu, "gpu_check")
+    if device is None:
         return 0
     rdzv = tempfile.mkdtemp(prefix="olmo-chunks-gpucheck-rdzv-")
     try:

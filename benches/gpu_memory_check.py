@@ -81,6 +81,16 @@ class Sampler:
         return out
 
 
+def pick_device(cpu_dry_run: bool, script: str) -> str | None:
+    """"cuda" when there is a GPU, "cpu" for a dry run, else None (after saying the check is skipped)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if cpu_dry_run:
+        return "cpu"
+    print(f"{script}: no CUDA device; skipped (use --cpu for a dry run)")
+    return None
+
+
 def _state(device: str, numel: int, num_experts: int, fill: bool) -> tuple[dict, dict]:
     from olmo_chunks.experts import ExpertLayout
 
@@ -115,12 +125,8 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU when there is no CUDA")
     args = ap.parse_args()
 
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif args.cpu:
-        device = "cpu"
-    else:
-        print("gpu_memory_check: no CUDA device; skipped (use --cpu for a dry run)")
+    device = pick_device(args.cpu, "gpu_memory_check")
+    if device is None:
         return 0
 
     import olmo_chunks as oc

@@ -14,18 +14,9 @@ import numpy as np
 
 from .errors import InvalidArgumentError
 
-__all__ = ["decode", "encode", "is_plain"]
+__all__ = ["decode", "encode"]
 
 _I64 = 1 << 63
-
-
-def is_plain(value: Any) -> bool:
-    """True if `value` can be stored by `encode`."""
-    try:
-        encode(value, "")
-    except InvalidArgumentError:
-        return False
-    return True
 
 
 def encode(value: Any, key: str) -> Any:
