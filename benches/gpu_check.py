@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
     _sync(device)
     with Sampler(device) as s:
         t0 = time.perf_counter()
-        oc.save(state, path)
+        oc.save(state, path, overwrite=True)
         seconds = time.perf_counter() - t0
     report["save"] = {**s.report(), "seconds": round(seconds, 3), "gbps": total / seconds / 1e9,
                       "of_d2h": total / seconds / 1e9 / report["copy"]["d2h_gbps"]}

@@ -153,7 +153,7 @@ def main() -> int:
         report["before_save"] = s.report()
         t0 = time.perf_counter()
         with Sampler(device) as s:
-            oc.save({"model": model, "optim": optim}, path)
+            oc.save({"model": model, "optim": optim}, path, overwrite=True)
         report["save"] = {**s.report(), "seconds": round(time.perf_counter() - t0, 3)}
         want = {k: _data(v).clone() for k, v in model.items()}
         del model, optim

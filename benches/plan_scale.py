@@ -3,7 +3,7 @@
     python benches/plan_scale.py --ranks 4096 --tensors 500 [--json out.json]
 
 Two checkpoints are described (never written: file entries and sizes are made up, checksums
-zero) and committed through `_core.commit`, as a save on `--ranks` ranks would:
+zero) and committed through `_core.SaveTransaction`, as a save on `--ranks` ranks would:
 
 - `1-D`: every tensor `Shard(0)` over all ranks (FSDP-like), loaded by one rank of `Shard(0)` over
   3/4 as many ranks (misaligned, so a rank's box straddles saved chunks);
@@ -100,8 +100,9 @@ def build(path: str, ranks: int, tensors: list[tuple[str, tuple[int, int]]], row
             chunks.append(("box", list(o), list(s), r, off, nbytes, b"\0\0\0\0"))
         n += len(chunks)
         entries.append((key, "float32", list(shape), "main_weight", chunks))
-    files = [(f"data/sim/rank-{r:05d}.bin", fsize[r]) for r in range(ranks)]
-    _core.commit(path, "sim", block, files, entries, "{}", json.dumps({"simulated": True}))
+    txn = _core.SaveTransaction.begin(path)
+    files = [(f"data/{txn.save_id}/rank-{r:05d}.bin", fsize[r]) for r in range(ranks)]
+    txn.commit(block, files, entries, "{}", json.dumps({"simulated": True}))
     return n
 
 

@@ -257,7 +257,7 @@ class Trainer:
 
     def save(self, path: str) -> None:
         oc.save({**self.state_dict(), **self.state.state_dict(layout=self.layout_info())}, path,
-                info={"layout": self.layout_info()})
+                info={"layout": self.layout_info()}, overwrite=True)
 
     def load(self, path: str) -> str:
         """Restores everything this rank owns from `path`; returns the RNG outcome."""

@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, action: str, path: str, size_mb: in
         dist.barrier()
         t0 = time.perf_counter()
         if action == "save":
-            olmo_chunks.save(state, path)
+            olmo_chunks.save(state, path, overwrite=True)
         else:
             olmo_chunks.load(state, path)
         dist.barrier()

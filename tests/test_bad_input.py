@@ -236,10 +236,10 @@ def test_saving_onto_a_file_is_refused(tmp_path: Path):
     assert (tmp_path / "f").read_text() == "keep me"
 
 
-def test_destinations_sharing_memory_are_refused(ckpt: Path):
+def test_keys_sharing_memory_must_hold_the_same_bytes(ckpt: Path):
     sd = zeros_like_state(state())
-    sd["optim"]["w"]["exp_avg"] = sd["model"]["w"]  # the same tensor twice
-    with pytest.raises(InvalidArgumentError, match="share memory"):
+    sd["optim"]["w"]["exp_avg"] = sd["model"]["w"]  # the same tensor twice, saved with other values
+    with pytest.raises(MismatchError, match=r"shares memory with model\.w"):
         olmo_chunks.load(sd, ckpt)
 
 
@@ -260,15 +260,16 @@ def test_failed_commit_keeps_the_previous_checkpoint(ckpt: Path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(checkpoint._core, "commit", boom)
+    monkeypatch.setattr(checkpoint, "commit_manifest", boom)
     with pytest.raises(OSError, match="simulated"):
-        olmo_chunks.save(state(seed=1), ckpt)
+        olmo_chunks.save(state(seed=1), ckpt, overwrite=True)
     monkeypatch.undo()
     sd = zeros_like_state(state())
     olmo_chunks.load(sd, ckpt)
     assert_same(sd, state())
-    # The next successful save replaces it and removes the orphaned data of the failed one.
-    olmo_chunks.save(state(seed=2), ckpt)
+    # The failed save removed its own data; the next successful save replaces the checkpoint.
+    assert len(os.listdir(ckpt / "data")) == 1
+    olmo_chunks.save(state(seed=2), ckpt, overwrite=True)
     sd = zeros_like_state(state())
     olmo_chunks.load(sd, ckpt)
     assert_same(sd, state(seed=2))
@@ -288,7 +289,7 @@ def save_failing_on_rank(path: str, bad_rank: int, seed: int) -> str:
 
         checkpoint._write = failing
     try:
-        olmo_chunks.save(sd, path)
+        olmo_chunks.save(sd, path, overwrite=True)
         return "saved"
     except OlmoChunksError as exc:
         return type(exc).__name__

@@ -50,12 +50,19 @@ def write_chunks(
     block_size: int,
     workers: int | None = None,
 ) -> tuple[list[tuple[int, int, int, bytes]], list[tuple[str, int]]]: ...
-def commit(
-    dir: str,
-    save_id: str,
-    block_size: int,
-    files: list[tuple[str, int]],
-    tensors: list[tuple[str, str, list[int], str, list[tuple[str, list[int], list[int], int, int, int, bytes]]]],
-    entries_json: str,
-    info_json: str,
-) -> Manifest: ...
+class SaveTransaction:
+    """One save into a checkpoint directory: its lease, the save id, then commit or abort."""
+
+    @staticmethod
+    def begin(path: str, overwrite: bool = False, lease_timeout: float = 60.0) -> SaveTransaction: ...
+    @property
+    def save_id(self) -> str: ...
+    def commit(
+        self,
+        block_size: int,
+        files: list[tuple[str, int]],
+        tensors: list[tuple[str, str, list[int], str, list[tuple[str, list[int], list[int], int, int, int, bytes]]]],
+        entries_json: str,
+        info_json: str,
+    ) -> Manifest: ...
+    def abort(self) -> None: ...

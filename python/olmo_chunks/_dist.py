@@ -1,92 +1,253 @@
-"""The few collectives save and load need, and the rule that a failure on one rank fails all."""
+"""How the ranks of a save or load agree, and the rule that a failure on one rank fails all of them
+in bounded time.
+
+Ranks exchange their small messages through the process group's rendezvous store, not through
+collectives of the group: a rank that dies can then never leave another blocked in a collective.
+Every process bumps a heartbeat counter in the store from a daemon thread. The root (rank 0 of the
+group) watches each rank it waits for, the other ranks watch the root, and a peer whose counter has
+not moved for `peer_timeout` seconds counts as dead: every survivor raises `RankFailedError`
+naming it. A rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the
+root, which tells everyone.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import pickle
+import threading
+import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-from .errors import RankFailedError
+from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
 
-T = TypeVar("T")
+__all__ = ["DEFAULT_PEER_TIMEOUT", "Group"]
+
+# Seconds without a heartbeat after which a peer counts as dead.
+DEFAULT_PEER_TIMEOUT = 60.0
+# Longest a waiting rank blocks in the store before it looks at its peers' heartbeats.
+_POLL = 0.5
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _Heartbeat:
+    """One daemon thread per process that bumps `olmo_chunks/hb/<global rank>` in the store."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.interval = 2.0
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+
+    def ensure(self, store: Any, rank: int, interval: float) -> None:
+        with self.lock:
+            self.interval = min(self.interval, max(interval, 0.05))
+            if self.thread is not None and self.thread.is_alive():
+                return
+            key = f"olmo_chunks/hb/{rank}"
+            store.add(key, 1)
+
+            def beat() -> None:
+                while not self.stop.wait(self.interval):
+                    try:
+                        store.add(key, 1)
+                    except Exception:  # the store is gone: the job is ending
+                        return
+
+            self.thread = threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True)
+            self.thread.start()
+
+
+_heartbeat = _Heartbeat()
+atexit.register(_heartbeat.stop.set)
+_calls: dict[str, int] = {}
+_calls_lock = threading.Lock()
 
 
 class Group:
-    """A process group (or a lone process when torch.distributed is not initialised)."""
+    """The ranks of one collective save or load (a lone process when torch.distributed is not
+    initialised). Ranks call `exchange` the same number of times, in the same order."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None, peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
+        if not peer_timeout > 0:
+            raise InvalidArgumentError(f"peer_timeout must be positive, got {peer_timeout}")
         self.pg = process_group
         self.active = dist.is_available() and dist.is_initialized()
         if process_group is not None and not self.active:
-            raise ValueError("a process_group was given but torch.distributed is not initialised")
+            raise InvalidArgumentError("a process_group was given but torch.distributed is not initialised")
         self.rank = dist.get_rank(process_group) if self.active else 0
         self.size = dist.get_world_size(process_group) if self.active else 1
+        self.peer_timeout = peer_timeout
+        self.seq = 0
+        if self.size == 1:
+            return
+        self.store = dist.distributed_c10d._get_default_store()
+        name = "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
+        with _calls_lock:
+            call = _calls[name] = _calls.get(name, 0) + 1
+        self.prefix = f"olmo_chunks/{name}/{call}"
+        self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
+        _heartbeat.ensure(self.store, dist.get_rank(), peer_timeout / 4)
+
+    # -- the one primitive ---------------------------------------------------------------------
+
+    def exchange(
+        self,
+        local: Callable[[], Any] | None,
+        root: Callable[[list[Any]], Any] | None = None,
+        *,
+        scatter: bool = False,
+    ) -> tuple[Any, Any]:
+        """Runs `local()` on every rank, hands the results (in rank order) to `root(results)` on rank
+        0 and returns `(local result, root result)` on every rank; with `scatter`, `root` returns one
+        item per rank and each rank gets its own. If anything failed anywhere, every rank raises:
+        the original exception where it happened, `RankFailedError` naming the rank elsewhere."""
+        self.seq += 1
+        if self.size == 1:
+            mine = local() if local else None
+            out = root([mine]) if root else None
+            return mine, (out[0] if scatter else out)
+        key = f"{self.prefix}/{self.seq}"
+        mine, failure = None, None
+        try:
+            mine = local() if local else None
+        except BaseException as exc:
+            failure = exc
+        try:
+            if self.rank == 0:
+                out = self._root_side(key, mine, failure, root, scatter)
+            else:
+                out = self._peer_side(key, mine, failure, scatter)
+        except RankFailedError:
+            raise
+        except BaseException as exc:
+            if failure is not None:
+                raise failure from (None if exc is failure else exc)
+            self._abort(key, exc)
+            if isinstance(exc, Exception) and not isinstance(exc, OlmoChunksError):
+                raise RankFailedError(f"lost contact with the other ranks: {_describe(exc)}") from exc
+            raise
+        return mine, out
+
+    def agree(self, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` on every rank and returns its result once every rank has succeeded."""
+        return self.exchange(fn)[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
-        if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        """Every rank's `obj`, in rank order, on every rank."""
+        return self.exchange(lambda: obj, lambda results: results)[1]
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj` on rank 0 (None elsewhere): metadata flows to one rank, not to all."""
-        if self.size == 1:
-            return [obj]
-        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=self._root, group=self.pg)
-        return out
+    # -- both sides ----------------------------------------------------------------------------
 
-    @property
-    def _root(self) -> int:
-        return dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj`, on every rank."""
-        if self.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._root, group=self.pg)
-        return box[0]
-
-    def agree(self, fn: Callable[[], T]) -> T:
-        """Runs `fn` on every rank; if it raised anywhere, raises on every rank (the original
-        exception where it happened, `RankFailedError` elsewhere)."""
+    def _root_side(self, key: str, mine: Any, failure: BaseException | None,
+                   root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
+        if failure is not None:
+            self._publish(key, ("fail", f"rank 0 failed: {_describe(failure)}"))
+            raise failure
+        results: list[Any] = [mine] + [None] * (self.size - 1)
+        gather = self._gather(key)
         try:
-            result, failure = fn(), None
-        except Exception as exc:
-            result, failure = None, exc
-        if self.size > 1:
-            report = None if failure is None else f"{type(failure).__name__}: {failure}"
-            reports = self.all_gather(report)
-            if failure is None and any(reports):
-                bad = next(r for r, msg in enumerate(reports) if msg)
-                raise RankFailedError(f"rank {bad} failed: {reports[bad]}")
-        if failure is not None:
-            raise failure
-        return result  # type: ignore[return-value]
-
-    def on_root(self, fn: Callable[[], Any], *, scatter: bool = False) -> Any:
-        """Runs `fn` on rank 0 and hands its result (or its failure) to every rank. With `scatter`,
-        `fn` returns one item per rank and each rank receives only its own."""
-        if self.size == 1:
-            return fn()[0] if scatter else fn()
-        result: Any = None
-        failure: Exception | None = None
-        if self.rank == 0:
-            try:
-                result = fn()
-            except Exception as exc:
-                failure = exc
-        report = None if failure is None else f"{type(failure).__name__}: {failure}"
-        report, value = self.broadcast((report, None if scatter else result))
-        if failure is not None:
-            raise failure
-        if report is not None:
-            raise RankFailedError(f"rank 0 failed: {report}")
+            for r, (status, payload) in gather:
+                if status == "fail":
+                    raise RankFailedError(f"rank {r} failed: {payload}")
+                results[r] = payload
+        except RankFailedError as exc:
+            self._publish(key, ("fail", str(exc)))
+            # Hear out the ranks still working (or their death), so that what the caller cleans up
+            # after this failure is not written to again.
+            with contextlib.suppress(RankFailedError):
+                for _ in gather:
+                    pass
+            raise
+        if self.seq > 1:  # every rank has read it: each has sent this step's message since
+            self.store.delete_key(f"{self.prefix}/{self.seq - 1}/out")
+        out = root(results) if root else None
         if not scatter:
-            return value
-        mine: list[Any] = [None]
-        dist.scatter_object_list(mine, result if self.rank == 0 else None, src=self._root, group=self.pg)
-        return mine[0]
+            self._publish(key, ("ok", out))
+            return out
+        if len(out) != self.size:
+            raise InvalidArgumentError(f"scatter needs {self.size} items, got {len(out)}")
+        for r in range(1, self.size):
+            self.store.set(f"{key}/out/{r}", pickle.dumps(out[r]))
+        self._publish(key, ("ok", None))
+        return out[0]
+
+    def _peer_side(self, key: str, mine: Any, failure: BaseException | None, scatter: bool) -> Any:
+        sent = ("fail", _describe(failure)) if failure is not None else ("ok", mine)
+        self.store.set(f"{key}/in/{self.rank}", pickle.dumps(sent))
+        if failure is not None:
+            raise failure
+        out_key = f"{key}/out"
+        self._wait_for([out_key], {0: out_key})
+        status, payload = pickle.loads(self.store.get(out_key))
+        if status == "fail":
+            raise RankFailedError(payload)
+        if scatter:
+            mine_key = f"{out_key}/{self.rank}"
+            payload = pickle.loads(self.store.get(mine_key))
+            self.store.delete_key(mine_key)
+        return payload
+
+    def _publish(self, key: str, outcome: tuple[str, Any]) -> None:
+        self.store.set(f"{key}/out", pickle.dumps(outcome))
+
+    def _abort(self, key: str, exc: BaseException) -> None:
+        """Tells the others, best effort, that this rank gave up: the root publishes the failure,
+        another rank leaves a note the root looks for while it waits."""
+        msg = f"rank {self.rank} failed: {_describe(exc)}"
+        with contextlib.suppress(Exception):
+            if self.rank == 0:
+                self._publish(key, ("fail", msg))
+            else:
+                self.store.set(f"{self.prefix}/abort", pickle.dumps(msg))
+
+    def _gather(self, key: str):
+        """Yields `(rank, message)` of every other rank as the messages arrive (a failure as soon
+        as it is seen); raises `RankFailedError` for a rank that died before sending."""
+        missing = {r: f"{key}/in/{r}" for r in range(1, self.size)}
+        while missing:
+            self._wait_for(list(missing.values()), missing, return_early=True)
+            for r in [r for r, k in missing.items() if self.store.check([k])]:
+                k = missing.pop(r)
+                msg = pickle.loads(self.store.get(k))
+                self.store.delete_key(k)
+                yield r, msg
+
+    def _wait_for(self, keys: list[str], watched: dict[int, str], return_early: bool = False) -> None:
+        """Blocks until every key in `keys` exists (or, with `return_early`, until at least one of
+        them does), raising `RankFailedError` when a rank in `watched` (rank -> the key it would
+        set) stops beating before setting its key."""
+        last: dict[int, tuple[int, float]] = {}
+        poll = timedelta(seconds=min(_POLL, self.peer_timeout / 4))
+        while True:
+            try:
+                self.store.wait(keys, poll)
+                return
+            except Exception as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+            if self.rank == 0 and self.store.check([f"{self.prefix}/abort"]):
+                raise RankFailedError(pickle.loads(self.store.get(f"{self.prefix}/abort")))
+            now = time.monotonic()
+            for r, k in watched.items():
+                if self.store.check([k]):
+                    if return_early:
+                        return
+                    continue
+                beat = self.store.add(f"olmo_chunks/hb/{self.global_ranks[r]}", 0)
+                seen, since = last.get(r, (beat, now))
+                if beat != seen:
+                    since = now
+                last[r] = (beat, since)
+                if now - since > self.peer_timeout:
+                    raise RankFailedError(
+                        f"rank {r} stopped responding: no heartbeat for {now - since:.0f} s "
+                        f"(peer_timeout={self.peer_timeout:g} s); it died or hung"
+                    )

@@ -348,7 +348,7 @@ def _save_step(method: str, held: _Held | None, path: str, raw_file: tuple[str, 
     if method == "raw":
         return timed(lambda: _raw_write(raw_file[0], raw_buf[: raw_file[1]]))
     if method == "native":
-        return timed(lambda: checkpoint.save(held.native, path, process_group=group))
+        return timed(lambda: checkpoint.save(held.native, path, process_group=group, overwrite=True))
     if method == "ours-dcp":
         return timed(lambda: dcp.save(held.dcp, storage_writer=ChunkStoreWriter(path), process_group=group))
     t = int(method.split("=")[1])

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,16 +15,31 @@ import torch
 import torch.distributed as dist
 
 from . import _core, values
-from ._dist import Group
+from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import Leaf, flatten
 
-__all__ = ["LoadReport", "load", "save"]
+__all__ = ["LoadReport", "load", "local_path", "save"]
 
 # Host memory used at a time to stage accelerator tensors through pinned buffers.
 STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """`path` as a local directory; URLs (`s3://...`) are refused until a storage for them exists."""
+    try:
+        s = os.fspath(path)
+    except TypeError:
+        s = None
+    if not isinstance(s, str) or not s:
+        raise InvalidArgumentError(f"a checkpoint path must be a non-empty str or os.PathLike, not {path!r}")
+    if "://" in s:
+        raise InvalidArgumentError(
+            f"{s}: URL schemes are not supported (olmo-chunks reads and writes local or shared filesystems)"
+        )
+    return Path(s)
 
 
 @dataclass
@@ -93,7 +107,7 @@ def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, t
     return out
 
 
-def _plan(gathered: list[tuple[dict, dict]]) -> tuple[str, list[list[int]], dict, dict]:
+def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dict]:
     """Rank 0: check that ranks agree on every tensor, merge plain entries, and give every distinct
     chunk one writer, balancing bytes across the ranks that hold it (replicas are written once)."""
     problems: list[str] = []
@@ -125,12 +139,13 @@ def _plan(gathered: list[tuple[dict, dict]]) -> tuple[str, list[list[int]], dict
         rank, i = divmod(min(holders[rk], key=lambda h: (load[h >> 32], h)), 1 << 32)
         load[rank] += sizes[rk]
         assign[rank].append(i)
-    return uuid.uuid4().hex, assign, schema, entries
+    return assign, schema, entries
 
 
-def commit_manifest(path: Path, save_id: str, block_size: int, schema: Mapping[str, tuple],
-                    all_written: list[list[tuple]], entries: Mapping[str, Any], info: Mapping[str, Any]) -> None:
-    """Commits the manifest of a save: `schema` maps every key to `(dtype, shape, role)`,
+def commit_manifest(txn: _core.SaveTransaction, block_size: int, schema: Mapping[str, tuple],
+                    all_written: list[list[tuple]], entries: Mapping[str, Any],
+                    info: Mapping[str, Any]) -> _core.Manifest:
+    """Commits the manifest of save `txn`: `schema` maps every key to `(dtype, shape, role)`,
     `all_written` holds each rank's `_write` results, `entries` the encoded plain values, `info`
     free-form information (creation time and torch version are added)."""
     files: dict[str, int] = {}
@@ -143,9 +158,7 @@ def commit_manifest(path: Path, save_id: str, block_size: int, schema: Mapping[s
             per_key[key].append((kind, list(a), list(b), fi, offset, nbytes, crcs))
     tensor_list = [(k, *schema[k][:3], per_key[k]) for k in sorted(schema)]
     meta_info = {"created_unix": time.time(), "torch": torch.__version__, **info}
-    _core.commit(
-        str(path),
-        save_id,
+    return txn.commit(
         block_size,
         [(f, file_sizes[f]) for f in files],
         tensor_list,
@@ -161,59 +174,64 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     roles: Mapping[str, str] | None = None,
     info: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
     block_size: int = _core.DEFAULT_BLOCK_SIZE,
     workers: int | None = None,
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
 ) -> None:
     """Saves `state_dict` to checkpoint directory `path`, collectively over `process_group`.
 
     Tensors may be plain (the whole tensor, the same wherever it appears), DTensors of any
     placement, or `ChunkSource`s; each rank writes its own chunks in parallel from native code and
-    every replicated chunk is written once. Other values are stored as data. The checkpoint becomes
-    visible when its manifest is committed, last; a failed save leaves an earlier one at `path`
-    intact. `roles` overrides the inferred role per key or dotted key prefix.
-    """
-    group = Group(process_group)
-    path = Path(path)
+    every replicated chunk is written once. Other values are stored as data. `roles` overrides the
+    inferred role per key or dotted key prefix.
 
-    def describe_local() -> tuple[dict[str, TensorShard], dict, dict, list]:
-        if path.exists() and not path.is_dir():
-            raise InvalidArgumentError(f"{path}: exists and is not a directory")
+    The checkpoint becomes visible when its manifest is committed, last; until then `path` keeps
+    the checkpoint it had, whatever happens to this save. A checkpoint already at `path` is
+    replaced only with `overwrite=True`; a directory holding anything else is refused; a save
+    racing another one to the same path fails with `CheckpointLockedError`. A failure on any rank,
+    or a rank silent for `peer_timeout` seconds, raises on every rank.
+    """
+    group = Group(process_group, peer_timeout)
+    target = local_path(path)
+    local: dict[str, Any] = {}
+    root: dict[str, Any] = {}
+
+    def describe_local() -> tuple[dict, dict]:
         leaves = flatten(state_dict)
         shards = _describe_all(leaves, roles)
-        tensors, local_chunks = {}, []
+        tensors, chunks = {}, []
         for key, s in shards.items():
             regions = list(s.regions())
             tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
-            local_chunks.extend((key, r, d) for r, d in regions)
-        plain = {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
-        return shards, tensors, plain, local_chunks
+            chunks.extend((key, r, d) for r, d in regions)
+        local["chunks"] = chunks
+        return tensors, {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
 
-    shards, tensors, plain, local_chunks = group.agree(describe_local)
-    del shards
-    # Chunk metadata goes to rank 0 only, and each rank gets back only its own assignment.
-    gathered = group.gather((tensors, plain))
-    root: dict[str, Any] = {}
+    def begin(gathered: list[tuple[dict, dict]]) -> list[tuple[str, list[int]]]:
+        assign, root["schema"], root["entries"] = _plan(gathered)
+        txn = root["txn"] = _core.SaveTransaction.begin(str(target), overwrite, peer_timeout)
+        return [(txn.save_id, mine) for mine in assign]
 
-    def plan() -> list[tuple[str, list[int]]]:
-        save_id, assign, root["schema"], root["entries"] = _plan(gathered)  # type: ignore[arg-type]
-        return [(save_id, mine) for mine in assign]
+    def write() -> list[tuple]:
+        chunks = [local["chunks"][i] for i in mine]
+        return _write(target, save_id, group.rank, chunks, block_size, workers)
 
-    save_id, mine = group.on_root(plan, scatter=True)
-    chunks = [local_chunks[i] for i in mine]
-    written = group.agree(lambda: _write(path, save_id, group.rank, chunks, block_size, workers))
-    all_written = group.gather(written)
-
-    def commit() -> None:
-        commit_manifest(path, save_id, block_size, root["schema"], all_written, root["entries"],  # type: ignore[arg-type]
+    def commit(all_written: list[list[tuple]]) -> None:
+        commit_manifest(root["txn"], block_size, root["schema"], all_written, root["entries"],
                         {"writer": "olmo_chunks", "world_size": group.size, **(dict(info) if info else {})})
 
-    group.on_root(commit)
+    try:
+        _, (save_id, mine) = group.exchange(describe_local, begin, scatter=True)
+        group.exchange(write, commit)
+    finally:
+        if "txn" in root:
+            root["txn"].abort()  # a no-op after the commit
 
 
 def _stage_needed(local: torch.Tensor) -> bool:
-    """True when `local` cannot take bytes directly: not on the CPU, or with elements sharing
-    memory."""
-    return not (local.device.type == "cpu" and is_dense(local))
+    """True when `local` cannot take bytes directly: not on the CPU."""
+    return local.device.type != "cpu"
 
 
 def _extent_bytes(t: torch.Tensor) -> int:
@@ -225,7 +243,9 @@ def _extent_bytes(t: torch.Tensor) -> int:
 def _load_tensors(manifest: _core.Manifest, saved: dict, wanted: list[tuple[str, TensorShard]],
                   verify: bool, workers: int | None) -> None:
     """Fills the wanted shards: CPU tensors that can take bytes directly in one batch, the rest
-    through CPU staging buffers in batches of at most STAGING_BYTES (pinned for CUDA)."""
+    through CPU staging buffers in batches of at most STAGING_BYTES (pinned for CUDA). Keys whose
+    memory overlaps another's (tied weights) are filled once, then checked against the checkpoint."""
+    wanted, tied = _untie(wanted)
     direct, staged = [], []
     for key, s in wanted:
         (direct if _stage_needed(s.local) is False else staged).append((key, s))
@@ -254,6 +274,33 @@ def _load_tensors(manifest: _core.Manifest, saved: dict, wanted: list[tuple[str,
             local.copy_(stage, non_blocking=stage.is_pinned())
         if any(local.is_cuda for local, _ in copies_back):
             torch.cuda.synchronize()
+    for key, s, first in tied:
+        held = torch.empty(tuple(s.local.shape), dtype=s.local.dtype)
+        manifest.load([(saved[key][0], s.core_pieces(held), 0)], [(held.data_ptr(), _extent_bytes(held))],
+                      verify=verify, workers=workers)
+        now = s.local.detach().cpu().contiguous()
+        if not torch.equal(held.reshape(-1).view(torch.uint8), now.reshape(-1).view(torch.uint8)):
+            raise MismatchError([f"{key}: shares memory with {first} in the state dict, but the checkpoint "
+                                 "holds different values for them"], header="cannot load tied tensors")
+
+
+def _untie(wanted: list[tuple[str, TensorShard]]) -> tuple[list, list[tuple[str, TensorShard, str]]]:
+    """Splits off the keys whose local memory overlaps an earlier key's, each with that key."""
+    spans = []
+    for key, s in wanted:
+        start = s.local.data_ptr()
+        spans.append((str(s.local.device), start, start + _extent_bytes(s.local), key, s))
+    spans.sort(key=lambda x: x[:2])
+    free, tied = [], []
+    reach: tuple[str, int, str] = ("", 0, "")  # device, furthest end so far, the key that reaches it
+    for dev, start, end, key, s in spans:
+        if end > start and dev == reach[0] and start < reach[1]:
+            tied.append((key, s, reach[2]))
+            continue
+        free.append((key, s))
+        if dev != reach[0] or end > reach[1]:
+            reach = (dev, end, key)
+    return free, tied
 
 
 def load(
@@ -266,6 +313,7 @@ def load(
     roles: Mapping[str, str] | None = None,
     verify: bool = True,
     workers: int | None = None,
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
 ) -> LoadReport:
     """Fills `state_dict` in place from checkpoint `path`, whatever layout either side has.
 
@@ -277,16 +325,17 @@ def load(
 
     `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,
     the trainer state alone): checkpoint keys it lacks are not unexpected, while every key it has
-    is still checked as above.
+    is still checked as above. A failure on any rank, or a rank silent for `peer_timeout`
+    seconds, raises on every rank.
     """
-    group = Group(process_group)
+    group = Group(process_group, peer_timeout)
 
     def run() -> LoadReport:
-        manifest = _core.Manifest.open(str(path))
+        manifest = _core.Manifest.open(str(local_path(path)))
         leaves = flatten(state_dict)
         shards = _describe_all(leaves, roles)
         saved = {t[0]: (i, t) for i, t in enumerate(manifest.tensors)}
-        entries = json.loads(manifest.entries_json) or {}
+        entries = values.entries(manifest)
         report = LoadReport()
         for key, leaf in leaves.items():
             if leaf.is_tensor:
@@ -316,13 +365,17 @@ def load(
             )
         bad = set(report.missing) | {m.split(":", 1)[0] for m in report.mismatched}
         wanted = [(key, s) for key, s in shards.items() if key not in bad]
+        for key, s in wanted:
+            if not is_dense(s.local):
+                raise InvalidArgumentError(f"{key}: the destination's elements share memory (an expanded or "
+                                           "self-overlapping view); load into a tensor with memory of its own")
         _load_tensors(manifest, saved, wanted, verify, workers)
         report.loaded.extend(key for key, _ in wanted)
         for key, leaf in leaves.items():
             if not leaf.is_tensor and key in entries:
                 if isinstance(leaf.container, tuple):
                     continue
-                leaf.container[leaf.slot] = values.decode(entries[key])
+                leaf.container[leaf.slot] = values.decode(entries[key], key)
                 report.loaded.append(key)
         report.loaded.sort()
         return report

@@ -1,15 +1,19 @@
-"""The `olmo-chunks` command line: inspect and verify checkpoints without a GPU job."""
+"""The `olmo-chunks` command line: inspect and verify checkpoints without a GPU job.
+
+Errors are reported as one line, `olmo-chunks <command>: error: ...`, with exit status 1; set
+OLMO_CHUNKS_DEBUG=1 to get the traceback of an unexpected one."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 
-from . import _core
+from . import _core, values
 from .errors import OlmoChunksError
 from .roles import MAIN_WEIGHT, ROLES
 
@@ -61,7 +65,7 @@ def summarize(path: str) -> dict:
         "parameters": params,
         "roles": [{"role": r, "bytes": by_role[r], "bytes_per_parameter": by_role[r] / params if params else None}
                   for r in order],
-        "info": json.loads(m.info_json),
+        "info": values.parse_json(m.info_json, f"{path}: manifest info"),
     }
 
 
@@ -133,11 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except OlmoChunksError as exc:
-        print(f"olmo-chunks {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not isinstance(exc, OlmoChunksError) and os.environ.get("OLMO_CHUNKS_DEBUG") == "1":
+            raise
+        what = str(exc) if isinstance(exc, OlmoChunksError) else f"{type(exc).__name__}: {exc}"
+        print(f"olmo-chunks {args.command}: error: {what}".replace("\n", " "), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ load planner that write and read the same checkpoint format as `olmo_chunks.save
   instead of DCP's sweep line (which degrades to all-pairs on 2-D layouts).
 
 Non-tensor values. DCP's save planner pickles every non-tensor value into a BytesIO. The writer
-reads it back with `torch.load(weights_only=True)` (a restricted unpickler; the bytes were made a
-moment ago from the caller's own state dict) and stores the value as tagged JSON data, grouped the
-way `olmo_chunks.save` groups plain values, so the native door loads it too. Values that are not
-plain data (arbitrary objects) are refused on save with `InvalidArgumentError`. On load the reader
-hands the planner a BytesIO that it serialises itself from that JSON data; nothing pickled in the
-checkpoint is ever unpickled.
+reads it back with `torch.load(weights_only=True)` (a restricted unpickler that also allows numpy
+arrays and scalars of numeric and bool dtypes, and io.BytesIO) and stores the value as tagged JSON
+data, grouped the way `olmo_chunks.save` groups plain values, so the native door loads it too.
+Values that are not plain data (arbitrary objects) are refused on save with `InvalidArgumentError`.
+On load the reader hands the planner a BytesIO that it serialises itself from that JSON data;
+nothing pickled in the checkpoint is ever unpickled.
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import io
-import json
 import os
 import pickle
+import stat
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -65,9 +67,15 @@ from . import _core, values
 from .checkpoint import _write, commit_manifest
 from .cli import register
 from .errors import (
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
     MismatchError,
+    MissingDataFileError,
+    OlmoChunksError,
+    StorageError,
+    TruncatedDataError,
+    UnsafePathError,
     UnsupportedFormatError,
 )
 from .roles import resolve_role
@@ -206,6 +214,14 @@ class ChunkStoreWriter(StorageWriter):
     `path` may be left out when `dcp.save(..., checkpoint_id=path)` names it. `roles` overrides the
     inferred role per key or dotted key prefix; `info` is stored as information in the manifest.
     Replicated items are deduplicated by DCP's save planner (balanced across replicas).
+
+    `FileSystemWriter`'s arguments are accepted with its meaning where they have one here:
+    `overwrite=False` refuses (with `CheckpointExistsError`, before any data is written) a path
+    holding a committed checkpoint; `thread_count` is `workers`. Every rank always writes one data
+    file per rank and fsyncs it, so `single_file_per_rank` and `sync_files` change nothing;
+    `per_thread_copy_ahead` and `cache_staged_state_dict` are ignored. Stream `_extensions`
+    (compression) and a `serialization_format` other than the default are refused: olmo-chunks
+    stores raw element bytes.
     """
 
     def __init__(
@@ -216,23 +232,61 @@ class ChunkStoreWriter(StorageWriter):
         info: Mapping[str, Any] | None = None,
         block_size: int = _core.DEFAULT_BLOCK_SIZE,
         workers: int | None = None,
+        overwrite: bool = True,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        _extensions: Iterable[Any] | None = None,
+        serialization_format: Any = None,
     ) -> None:
         super().__init__()
+        if _extensions:
+            raise InvalidArgumentError(
+                "ChunkStoreWriter: _extensions (stream transforms such as ZStandard) are not supported; "
+                "olmo-chunks stores raw element bytes with block checksums"
+            )
+        if getattr(serialization_format, "value", serialization_format) not in (None, "torch_save"):
+            raise InvalidArgumentError(
+                f"ChunkStoreWriter: serialization_format={serialization_format} is not supported "
+                "(olmo-chunks has its own format; see `olmo-chunks export` for safetensors)"
+            )
+        if thread_count is not None:
+            if thread_count < 1 or workers not in (None, thread_count):
+                raise InvalidArgumentError(
+                    f"ChunkStoreWriter: thread_count={thread_count} must be positive and agree with "
+                    f"workers={workers}"
+                )
+            workers = thread_count
         self.path = Path(path) if path is not None else None
         self.roles = dict(roles) if roles else None
         self.info = dict(info) if info else {}
         self.block_size = block_size
         self.workers = workers
+        self.overwrite = overwrite
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
         self.save_id: str | None = None
         self.is_coordinator = False
+        self._txn: _core.SaveTransaction | None = None  # the coordinator's save, begun at global planning
 
     @property
     def checkpoint_id(self) -> Path | None:
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._abort()
         self.path = _path_of(checkpoint_id, self.path)
         self.save_id = None
+
+    def _abort(self) -> None:
+        """Drops the save a failed `dcp.save` left begun (its data goes, the lease is released)."""
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -253,7 +307,10 @@ class ChunkStoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = uuid.uuid4().hex
+        assert self.path is not None
+        self._abort()
+        self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite)
+        save_id = self._txn.save_id
         return [dataclasses.replace(p, storage_data=_PlanStorage(save_id, i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -317,6 +374,10 @@ class ChunkStoreWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.path is not None
+        if self._txn is None:
+            raise InvalidArgumentError(
+                "ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)"
+            )
         schema: dict[str, tuple] = {}
         leaves: dict[str, Any] = {}
         for fqn, md in metadata.state_dict_metadata.items():
@@ -325,7 +386,6 @@ class ChunkStoreWriter(StorageWriter):
                 role = resolve_role(fqn, torch.empty(0, dtype=dtype), self.roles)
                 schema[fqn] = (dtype_name(dtype), list(md.size), role)
         all_written: list[list[tuple]] = []
-        save_id = None
         for rank_results in results:
             mine = []
             for r in rank_results:
@@ -334,7 +394,6 @@ class ChunkStoreWriter(StorageWriter):
                     mine.append(
                         (r.index.fqn, sd.region, sd.file, sd.file_size, sd.offset, sd.nbytes, sd.checksums)
                     )
-                    save_id = sd.file.split("/")[1]
                 elif isinstance(sd, _ValueWritten):
                     leaves[r.index.fqn] = sd.encoded
             all_written.append(mine)
@@ -346,15 +405,10 @@ class ChunkStoreWriter(StorageWriter):
             **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
             **self.info,
         }
-        commit_manifest(
-            self.path,
-            save_id or self.save_id or uuid.uuid4().hex,
-            self.block_size,
-            schema,
-            all_written,
-            entries,
-            info,
-        )
+        try:
+            commit_manifest(self._txn, self.block_size, schema, all_written, entries, info)
+        finally:
+            self._abort()  # a no-op once committed
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -366,13 +420,28 @@ def _is_local_path(checkpoint_id: str | os.PathLike) -> bool:
     return isinstance(s, str) and "://" not in s
 
 
+def _numpy_globals() -> list[Any]:
+    """What numpy arrays, scalars and dtypes of numeric and bool dtypes unpickle through (under
+    numpy 1's and numpy 2's module names), and io.BytesIO; never object or structured dtypes."""
+    core = getattr(np, "_core", None) or np.core
+    out: list[Any] = [np.ndarray, np.dtype, io.BytesIO]
+    for fn in (core.multiarray._reconstruct, core.multiarray.scalar):
+        out += [(fn, f"{mod}.multiarray.{fn.__name__}") for mod in ("numpy.core", "numpy._core")]
+    codes = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
+    return out + list({type(np.dtype(c)) for c in codes} - {np.dtype})
+
+
+_SAFE_GLOBALS = _numpy_globals()
+
+
 def _encode_object(fqn: str, raw: bytes) -> Any:
     """The plain value DCP pickled for `fqn`, as tagged JSON data; refuses anything that is not."""
     try:
-        value = torch.load(io.BytesIO(raw), weights_only=True)
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            value = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:
         raise InvalidArgumentError(
-            f"{fqn!r}: only plain values (numbers, strings, bytes, lists, tuples, dicts, numpy "
+            f"{fqn!r}: only plain values (numbers, strings, bytes, BytesIO, lists, tuples, dicts, numpy "
             f"arrays) can be stored next to tensors; this one cannot be loaded as data ({exc})"
         ) from None
     return values.encode(value, fqn)
@@ -387,12 +456,24 @@ class ChunkStoreReader(StorageReader):
     """DCP `StorageReader` over an olmo-chunks checkpoint (saved by either front door).
 
     `verify` checks block checksums of everything read; `workers` bounds the reading threads.
+    `FileSystemReader`'s `_extension_registry` is accepted when empty (there are no stream
+    transforms to undo).
     """
 
     def __init__(
-        self, path: str | os.PathLike | None = None, *, verify: bool = True, workers: int | None = None
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        verify: bool = True,
+        workers: int | None = None,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
+        if _extension_registry is not None:
+            raise InvalidArgumentError(
+                "ChunkStoreReader: _extension_registry is not supported; olmo-chunks stores raw "
+                "element bytes, with no stream transforms to undo"
+            )
         self.path = Path(path) if path is not None else None
         self.verify = verify
         self.workers = workers
@@ -420,8 +501,8 @@ class ChunkStoreReader(StorageReader):
             m = _core.Manifest.open(str(self.path))
             self._tensors = {key: (i, torch_dtype(dtype)) for i, (key, dtype, *_) in enumerate(m.tensors)}
             self._values, self._value_paths = {}, {}
-            for key, enc in (json.loads(m.entries_json) or {}).items():
-                for fqn, (path, v) in dcp_leaves(key, values.decode(enc)).items():
+            for key, enc in values.entries(m).items():
+                for fqn, (path, v) in dcp_leaves(key, values.decode(enc, key)).items():
                     self._values[fqn], self._value_paths[fqn] = v, path
             self._manifest = m
         return self._manifest
@@ -448,10 +529,11 @@ class ChunkStoreReader(StorageReader):
                 raise CorruptCheckpointError(f"{self.path}: {fqn!r} is both a tensor and a value")
             md[fqn] = BytesStorageMetadata()
             paths[fqn] = path
-        saved_paths = json.loads(m.info_json).get("dcp_paths") if m.info_json else None
+        saved_info = values.parse_json(m.info_json, f"{self.path}: manifest info") if m.info_json else None
+        saved_paths = saved_info.get("dcp_paths") if isinstance(saved_info, dict) else None
         if isinstance(saved_paths, dict):
             for fqn, p in saved_paths.items():
-                if fqn in md:  # the exact object path DCP recorded at save time
+                if fqn in md and isinstance(p, list) and p:  # the exact object path DCP recorded at save time
                     paths[fqn] = tuple(p)
         for fqn in md:
             paths.setdefault(fqn, (fqn,))
@@ -739,22 +821,73 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsupportedFormatError(f"DCP metadata names {module}.{name}, which import-dcp does not accept")
 
 
+def _open_beneath(root: Path, rel: Any, what: str) -> io.BufferedReader:
+    """Opens regular file `rel` below directory `root` for reading: a relative path of normal
+    components, no symlink below `root` followed (each component opened with O_NOFOLLOW from its
+    parent's descriptor), never blocking on a FIFO or device. Refuses anything else with
+    UnsafePathError (a CorruptCheckpointError) naming `what`."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or any(p in ("", ".", "..") or "\0" in p for p in parts):
+        raise UnsafePathError(f"{root}: {what}: path {rel!r} points outside the checkpoint directory")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fds = []
+    try:
+        fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        for part in parts[:-1]:
+            fds.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=fds[-1]))
+        fd = os.open(parts[-1], flags, dir_fd=fds[-1])
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise MissingDataFileError(f"{root / rel}: {what}: no such file") from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(
+                f"{root}: {what}: path {rel!r} goes through a symlink or a non-directory"
+            ) from None
+        raise StorageError(exc.errno, f"{root / rel}: {what}: {exc.strerror}") from None
+    finally:
+        for d in fds:
+            os.close(d)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{root}: {what}: {rel!r} is not a regular file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb")
+
+
+@contextlib.contextmanager
+def _bad_metadata(src: Path, what: str) -> Iterator[None]:
+    """Turns the errors that malformed DCP metadata causes while interpreting it into
+    CorruptCheckpointError naming `what`."""
+    try:
+        yield
+    except OlmoChunksError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise CorruptCheckpointError(f"{src}: bad DCP metadata for {what}: {exc}") from None
+
+
 def read_dcp_metadata(src: str | os.PathLike) -> Metadata:
     """The `Metadata` of a checkpoint written by DCP's FileSystemWriter, read without running
     arbitrary pickled code."""
     path = Path(src) / ".metadata"
-    if not path.is_file():
-        from .errors import CheckpointNotFoundError
-
-        raise CheckpointNotFoundError(f"{src}: no .metadata (not a DCP FileSystemWriter checkpoint)")
-    with open(path, "rb") as f:
+    try:
+        if not Path(src).is_dir():
+            raise MissingDataFileError(f"{src}: not a directory")
+        f = _open_beneath(Path(src), ".metadata", "DCP metadata")
+    except (MissingDataFileError, StorageError) as exc:
+        raise CheckpointNotFoundError(f"{src}: not a DCP FileSystemWriter checkpoint ({exc})") from None
+    with f:
         try:
             md = _MetadataUnpickler(f).load()
         except UnsupportedFormatError:
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{path}: cannot read DCP metadata: {exc}") from None
-    if not isinstance(md, Metadata) or not isinstance(md.storage_data, Mapping):
+    if (
+        not isinstance(md, Metadata)
+        or not isinstance(md.storage_data, Mapping)
+        or not isinstance(md.state_dict_metadata, Mapping)
+    ):
         raise CorruptCheckpointError(f"{path}: not DCP FileSystemWriter metadata")
     return md
 
@@ -764,6 +897,7 @@ def import_dcp(
     dst: str | os.PathLike,
     *,
     roles: Mapping[str, str] | None = None,
+    overwrite: bool = False,
     block_size: int = _core.DEFAULT_BLOCK_SIZE,
     batch_bytes: int = 256 << 20,
     workers: int | None = None,
@@ -771,11 +905,11 @@ def import_dcp(
 ) -> dict[str, Any]:
     """Converts a DCP FileSystemWriter checkpoint at `src` into an olmo-chunks checkpoint at `dst`,
     one saved item at a time (memory stays near `batch_bytes` plus the largest item), then
-    verifies coverage and every checksum. Returns a summary."""
+    verifies coverage and every checksum. Returns a summary. Every read stays inside `src` (see
+    `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`."""
     src, dst = Path(src), Path(dst)
     md = read_dcp_metadata(src)
     storage: Mapping[MetadataIndex, Any] = md.storage_data
-    save_id = uuid.uuid4().hex
     schema: dict[str, tuple] = {}
     leaves: dict[str, Any] = {}
     written: list[tuple] = []
@@ -785,90 +919,94 @@ def import_dcp(
     handles: dict[str, Any] = {}
     files = contextlib.ExitStack()
 
-    def info_of(index: MetadataIndex) -> Any:
+    def read_raw(fqn: str, index: MetadataIndex) -> bytes:
+        what = f"item {fqn} at {tuple(index.offset or ())}"
         sinfo = storage.get(index)
         if sinfo is None:
-            raise CorruptCheckpointError(
-                f"{src}: no storage entry for {index.fqn} at {tuple(index.offset or ())}"
-            )
+            raise CorruptCheckpointError(f"{src}: no storage entry for {what}")
         if getattr(sinfo, "transform_descriptors", None):
             raise UnsupportedFormatError(
-                f"{src}: {index.fqn} was written with stream transforms "
+                f"{src}: {what} was written with stream transforms "
                 f"{sinfo.transform_descriptors}, which import-dcp does not read"
             )
-        return sinfo
-
-    def read_raw(sinfo: Any) -> bytes:
-        f = handles.get(sinfo.relative_path)
+        rel, offset, length = (getattr(sinfo, a, None) for a in ("relative_path", "offset", "length"))
+        if not (isinstance(rel, str) and type(offset) is int and type(length) is int and min(offset, length) >= 0):
+            raise CorruptCheckpointError(f"{src}: {what}: bad storage entry {sinfo!r}")
+        f = handles.get(rel)
         if f is None:
-            try:
-                f = files.enter_context(open(src / sinfo.relative_path, "rb"))  # noqa: SIM115 (closed by files)
-                handles[sinfo.relative_path] = f
-            except FileNotFoundError:
-                from .errors import MissingDataFileError
-
-                raise MissingDataFileError(f"{src / sinfo.relative_path}: missing DCP data file") from None
-        f.seek(sinfo.offset)
-        raw = f.read(sinfo.length)
-        if len(raw) != sinfo.length:
-            from .errors import TruncatedDataError
-
-            raise TruncatedDataError(f"{src / sinfo.relative_path}: truncated at item {sinfo}")
+            f = handles[rel] = files.enter_context(_open_beneath(src, rel, what))
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:  # checked before allocating: a crafted length may be huge
+            raise TruncatedDataError(
+                f"{src / rel}: {what} spans bytes {offset}..{offset + length}, past the end of the file ({size})"
+            )
+        try:
+            f.seek(offset)
+            raw = f.read(length)
+        except OSError as exc:
+            raise StorageError(exc.errno, f"{src / rel}: {what}: {exc.strerror or exc}") from None
+        if len(raw) != length:
+            raise TruncatedDataError(f"{src / rel}: truncated at {what}")
         return raw
 
     def flush() -> None:
         nonlocal pending, pending_bytes, nfile
         if pending:
-            out = _write(dst, save_id, nfile, pending, block_size, workers)
+            out = _write(dst, txn.save_id, nfile, pending, block_size, workers)
             written.extend(out)
             nfile += 1
         pending, pending_bytes = [], 0
 
-    try:
-        for fqn, smd in md.state_dict_metadata.items():
-            if isinstance(smd, BytesStorageMetadata):
-                leaves[fqn] = _encode_object(fqn, read_raw(info_of(MetadataIndex(fqn))))
+    def import_tensor(fqn: str, smd: TensorStorageMetadata) -> None:
+        nonlocal pending_bytes
+        dtype = smd.properties.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{src}: {fqn} has no valid dtype")
+        schema[fqn] = (dtype_name(dtype), list(smd.size), resolve_role(fqn, torch.empty(0, dtype=dtype), roles))
+        for chunk in smd.chunks:
+            if 0 in list(chunk.sizes):
                 continue
-            dtype = smd.properties.dtype
-            schema[fqn] = (
-                dtype_name(dtype),
-                list(smd.size),
-                resolve_role(fqn, torch.empty(0, dtype=dtype), roles),
-            )
-            for chunk in smd.chunks:
-                if 0 in list(chunk.sizes):
-                    continue
-                raw = read_raw(info_of(MetadataIndex(fqn, chunk.offsets)))
-                try:
-                    t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                except Exception as exc:
-                    raise CorruptCheckpointError(
-                        f"{src}: item {fqn} at {tuple(chunk.offsets)} is not a torch.save'd tensor ({exc})"
-                    ) from None
-                del raw
-                if not isinstance(t, torch.Tensor) or t.dtype != dtype or list(t.shape) != list(chunk.sizes):
-                    raise CorruptCheckpointError(
-                        f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
-                        f"its metadata ({dtype}, {tuple(chunk.sizes)})"
-                    )
-                nbytes = t.numel() * t.element_size()
-                if pending and pending_bytes + nbytes > batch_bytes:
-                    flush()
-                pending.append((fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t.contiguous()))
-                pending_bytes += nbytes
-        flush()
+            raw = read_raw(fqn, MetadataIndex(fqn, chunk.offsets))
+            try:
+                t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CorruptCheckpointError(
+                    f"{src}: item {fqn} at {tuple(chunk.offsets)} is not a torch.save'd tensor ({exc})"
+                ) from None
+            del raw
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or list(t.shape) != list(chunk.sizes):
+                raise CorruptCheckpointError(
+                    f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
+                    f"its metadata ({dtype}, {tuple(chunk.sizes)})"
+                )
+            nbytes = t.numel() * t.element_size()
+            if pending and pending_bytes + nbytes > batch_bytes:
+                flush()
+            pending.append((fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t.contiguous()))
+            pending_bytes += nbytes
+
+    txn = _core.SaveTransaction.begin(str(dst), overwrite)
+    try:
+        with files:
+            for fqn, smd in md.state_dict_metadata.items():
+                with _bad_metadata(src, repr(fqn)):
+                    if isinstance(smd, BytesStorageMetadata):
+                        leaves[fqn] = _encode_object(fqn, read_raw(fqn, MetadataIndex(fqn)))
+                    else:
+                        import_tensor(fqn, smd)
+            flush()
+        with _bad_metadata(src, "the object paths (planner_data)"):
+            paths = md.planner_data if isinstance(md.planner_data, Mapping) else None
+            entries = group_entries(leaves, paths, schema)
+            info = {
+                "writer": "olmo_chunks.import_dcp",
+                "source": str(src),
+                "dcp_version": md.version,
+                **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
+            }
+        m = commit_manifest(txn, block_size, schema, [written], entries, info)
     finally:
-        files.close()
-    paths = md.planner_data if isinstance(md.planner_data, Mapping) else None
-    entries = group_entries(leaves, paths, schema)
-    info = {
-        "writer": "olmo_chunks.import_dcp",
-        "source": str(src),
-        "dcp_version": md.version,
-        **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
-    }
-    commit_manifest(dst, save_id, block_size, schema, [written], entries, info)
-    m = _core.Manifest.open(str(dst))
+        txn.abort()  # a no-op once committed
     m.check_coverage()
     nbytes = m.verify_data(workers) if verify else 0
     return {
@@ -885,6 +1023,7 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="olmo-chunks checkpoint directory to write")
     p.add_argument("--batch-mb", type=int, default=256, help="bytes staged per data file (MiB)")
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at dst")
 
 
 @register(
@@ -894,7 +1033,9 @@ def _import_args(p: argparse.ArgumentParser) -> None:
 )
 def _import_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    s = import_dcp(args.src, args.dst, batch_bytes=args.batch_mb << 20, workers=args.workers)
+    s = import_dcp(
+        args.src, args.dst, overwrite=args.overwrite, batch_bytes=args.batch_mb << 20, workers=args.workers
+    )
     dt = time.perf_counter() - t0
     print(
         f"OK {args.dst}: {s['tensors']} tensors, {s['values']} values, {s['chunks']} chunks in "

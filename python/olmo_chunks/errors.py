@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointExistsError",
+    "CheckpointLockedError",
     "CheckpointNotFoundError",
     "ChecksumError",
     "ConversionError",
@@ -16,6 +18,7 @@ __all__ = [
     "RankFailedError",
     "StorageError",
     "TruncatedDataError",
+    "UnsafePathError",
     "UnsupportedFormatError",
 ]
 
@@ -52,6 +55,11 @@ class MissingDataFileError(CorruptCheckpointError, FileNotFoundError):
     """A data file named by the manifest does not exist."""
 
 
+class UnsafePathError(CorruptCheckpointError):
+    """A file the manifest names is refused unread: a symbolic link lies on its path below the
+    checkpoint directory, or it is not a regular file (a FIFO, device, socket or directory)."""
+
+
 class StorageError(OlmoChunksError, OSError):
     """An operating-system error while reading or writing checkpoint files."""
 
@@ -86,3 +94,12 @@ class ConversionError(MismatchError):
 
 class RankFailedError(OlmoChunksError):
     """Another rank of the process group failed during a collective save or load."""
+
+
+class CheckpointExistsError(InvalidArgumentError):
+    """A checkpoint is already committed at the path and the save was not asked to overwrite it."""
+
+
+class CheckpointLockedError(OlmoChunksError):
+    """Another save to the same path is in progress (it holds the path's lease), or took this save's
+    lease over after this save stopped beating."""

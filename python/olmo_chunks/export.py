@@ -18,7 +18,6 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from . import _core, values
+from .checkpoint import local_path
 from .cli import register
 from .errors import ConversionError, InvalidArgumentError, OlmoChunksError
 from .mapping import (
@@ -145,7 +145,7 @@ def _config_problems(
 
 
 def _saved_hf_config(manifest: Any) -> dict[str, Any] | None:
-    v = lookup_entry(json.loads(manifest.entries_json) or {}, "hf_config")
+    v = lookup_entry(values.entries(manifest), "hf_config")
     return v if isinstance(v, dict) else None
 
 
@@ -330,11 +330,13 @@ def import_hf(
     pad_multiple: int | None = None,
     config: Mapping[str, Any] | None = None,
     workers: int | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Writes a native checkpoint at `ckpt` (main weights, native names) from an HF model
     directory (or in-memory tensors), streaming in bounded memory. Vocab rows are padded with
     zeros to `pad_multiple` (default: the mapping's) and the true vocab size, the HF config and
-    the mapping are saved with it. Returns a summary."""
+    the mapping are saved with it. A checkpoint already at `ckpt` is replaced only with
+    `overwrite=True`. Returns a summary."""
     src = source if isinstance(source, (SafetensorsDir, TensorDictSource)) else SafetensorsDir(source)
     if src.problems:
         raise ConversionError(src.problems, header="the HF tensors are inconsistent")
@@ -356,9 +358,18 @@ def import_hf(
         if native_dtype.setdefault(e.native_name, d) != d:
             raise ConversionError([f"{e.native_name}: built from HF tensors of different dtypes"])
         e.source.dtype = d
-    path = Path(ckpt)
-    path.mkdir(parents=True, exist_ok=True)
-    save_id = uuid.uuid4().hex
+    path = local_path(ckpt)
+    txn = _core.SaveTransaction.begin(str(path), overwrite)
+    try:
+        return _import_into(txn, path, src, plan, spec, native_dtype, config, memory_budget, workers)
+    finally:
+        txn.abort()  # a no-op after the commit
+
+
+def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | TensorDictSource, plan: TensorPlan,
+                 spec: MappingSpec, native_dtype: dict[str, torch.dtype], config: Mapping[str, Any] | None,
+                 memory_budget: int, workers: int | None) -> dict[str, Any]:
+    save_id = txn.save_id
     files: list[tuple[str, int]] = []
     chunks: dict[str, list[tuple]] = {n: [] for n in plan.natives}
     pending: list[tuple[str, tuple[str, list[int], list[int]], torch.Tensor]] = []
@@ -439,9 +450,7 @@ def import_hf(
         },
         "info",
     )
-    _core.commit(
-        str(path),
-        save_id,
+    txn.commit(
         _core.DEFAULT_BLOCK_SIZE,
         files,
         tensors,
@@ -662,7 +671,7 @@ def validate_conversion(
     cfg_path = Path(config) if config is not None else hf_dir / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
     manifest = _core.Manifest.open(str(native))
-    entries = json.loads(manifest.entries_json) or {}
+    entries = values.entries(manifest)
     index_meta: dict[str, Any] = {}
     if (hf_dir / INDEX_NAME).exists():
         index_meta = (json.loads((hf_dir / INDEX_NAME).read_text()).get("metadata") or {}).get(
@@ -846,6 +855,7 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET))
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at CKPT")
 
 
 @register(
@@ -860,6 +870,7 @@ def _import_cmd(args: argparse.Namespace) -> int:
         memory_budget=parse_bytes(args.memory_budget),
         pad_multiple=args.pad_vocab_multiple,
         workers=args.workers,
+        overwrite=args.overwrite,
     )
     print(
         f"OK {args.ckpt}: {s['tensors']} native tensors from {s['hf_tensors']} HF tensors "

@@ -279,7 +279,7 @@ def lookup_entry(entries: Mapping[str, Any], dotted: str) -> Any:
     for i in range(len(parts), 0, -1):
         head = ".".join(parts[:i])
         if head in entries:
-            v = values.decode(entries[head])
+            v = values.decode(entries[head], head)
             for p in parts[i:]:
                 if not isinstance(v, dict) or p not in v:
                     return None
@@ -499,7 +499,7 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
     (unmapped or ambiguous native tensors, duplicate HF names, inexact coverage) are collected,
     not raised."""
     problems: list[str] = []
-    entries_raw = json.loads(manifest.entries_json) or {}
+    entries_raw = values.entries(manifest)
     saved = {t[0]: (i, t) for i, t in enumerate(manifest.tensors)}
     ignored: dict[str, int] = {}
     candidates: dict[str, list[tuple[int, str]]] = {}

@@ -74,13 +74,29 @@ def describe(key: str, value: Any) -> TensorShard:
             pieces = dtensor_pieces(value)
         except ValueError as exc:
             raise InvalidArgumentError(f"{key!r}: {exc}") from None
-        return TensorShard(value.dtype, tuple(value.shape), value.to_local(), pieces)
+        return TensorShard(value.dtype, tuple(value.shape), _plain(key, value.to_local()), pieces)
     if isinstance(value, torch.Tensor):
+        value = _plain(key, value)
         shape = tuple(value.shape)
         return TensorShard(value.dtype, shape, value, [Piece((0,) * len(shape), shape, (0,) * len(shape))])
     if isinstance(value, ChunkSource):
         return value.tensor_shard()
     raise InvalidArgumentError(f"{key!r}: {type(value).__name__} is not a tensor")
+
+
+def _plain(key: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is a strided tensor with data (expanded ones included: their logical values are
+    saved); sparse, nested, quantized and meta tensors are refused."""
+    kind = (
+        "a nested" if t.is_nested
+        else f"a {t.layout} (not strided)" if t.layout != torch.strided
+        else "a quantized" if t.is_quantized
+        else "a meta (data-less)" if t.device.type == "meta"
+        else None
+    )
+    if kind:
+        raise InvalidArgumentError(f"{key!r}: {kind} tensor cannot be checkpointed (use a dense tensor with data)")
+    return t
 
 
 def is_dense(t: torch.Tensor) -> bool:

@@ -19,7 +19,6 @@ RNG policy on load (`load_trainer_state`):
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 from collections.abc import Mapping
@@ -162,13 +161,13 @@ def load_trainer_state(
 
     def read() -> tuple[TrainerState, dict[str, Any], dict[str, Any] | None]:
         manifest = _core.Manifest.open(str(path))
-        entries = json.loads(manifest.entries_json) or {}
+        entries = values.entries(manifest)
         missing = [f"{PREFIX}.{n}: missing from the checkpoint" for n in (*_FIELDS, "layout")
                    if f"{PREFIX}.{n}" not in entries]
         if missing:
             raise MismatchError(missing, header=f"{path}: no complete trainer state")
-        state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"]) for n in _FIELDS})
-        saved_layout = values.decode(entries[f"{PREFIX}.layout"])
+        state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS})
+        saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
         prefix = f"{PREFIX}.rng.{_rank_key(group.rank)}."
         shapes = {t[0][len(prefix):]: t[2] for t in manifest.tensors if t[0].startswith(prefix)}
         mine = None

@@ -10,6 +10,7 @@ import torch
 
 from .errors import InvalidArgumentError
 from .shards import ChunkSource
+from .values import MAX_DEPTH
 
 __all__ = ["Leaf", "flatten"]
 
@@ -31,13 +32,15 @@ def _is_tensorish(v: Any) -> bool:
     return isinstance(v, (torch.Tensor, ChunkSource))
 
 
-def _has_tensor(v: Any) -> bool:
+def _has_tensor(v: Any, key: str = "", depth: int = 0) -> bool:
     if _is_tensorish(v):
         return True
+    if isinstance(v, (Mapping, list, tuple)) and depth > MAX_DEPTH:
+        raise InvalidArgumentError(f"{key!r}: nested more than {MAX_DEPTH} containers deep")
     if isinstance(v, Mapping):
-        return any(_has_tensor(x) for x in v.values())
+        return any(_has_tensor(x, key, depth + 1) for x in v.values())
     if isinstance(v, (list, tuple)):
-        return any(_has_tensor(x) for x in v)
+        return any(_has_tensor(x, key, depth + 1) for x in v)
     return False
 
 
@@ -49,10 +52,10 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
         raise InvalidArgumentError(f"state_dict must be a mapping, not {type(state_dict).__name__}")
     out: dict[str, Leaf] = {}
 
-    def visit(prefix: str, container: Any, slot: Any, value: Any) -> None:
-        if isinstance(value, Mapping) and _has_tensor(value):
+    def visit(prefix: str, container: Any, slot: Any, value: Any, depth: int = 0) -> None:
+        if isinstance(value, Mapping) and _has_tensor(value, prefix, depth):
             items = value.items()
-        elif isinstance(value, (list, tuple)) and _has_tensor(value):
+        elif isinstance(value, (list, tuple)) and _has_tensor(value, prefix, depth):
             items = enumerate(value)
         else:
             if prefix in out:
@@ -62,7 +65,7 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
         for k, v in items:
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise InvalidArgumentError(f"{prefix!r}: keys must be str or int, not {type(k).__name__}")
-            visit(f"{prefix}.{k}" if prefix else str(k), value, k, v)
+            visit(f"{prefix}.{k}" if prefix else str(k), value, k, v, depth + 1)
 
     for k, v in state_dict.items():
         if not isinstance(k, str):

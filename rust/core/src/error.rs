@@ -46,9 +46,19 @@ pub enum CoreError {
         needed: u64,
         size: u64,
     },
+    /// A file the manifest names is refused before it is read: a symbolic link lies on its path
+    /// below the checkpoint directory, or it is not a regular file (a FIFO, device or socket).
+    #[error("{path}: refused: {reason}")]
+    UnsafePath { path: PathBuf, reason: String },
     /// Chunks out of bounds, overlapping, or not tiling their tensor.
     #[error("tensor {key:?}: {reason}")]
     Layout { key: String, reason: String },
+    /// A checkpoint is already committed at the path and the save did not ask to overwrite it.
+    #[error("{path}: a checkpoint already exists there; pass overwrite=True to replace it (nothing was changed)")]
+    Exists { path: PathBuf },
+    /// Another save holds the directory's lease, or took this save's over.
+    #[error("{path}: {reason}")]
+    Locked { path: PathBuf, reason: String },
     /// A caller passed something inconsistent (e.g. a destination too small for its region).
     #[error("{0}")]
     InvalidArgument(String),

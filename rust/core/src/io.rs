@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{CoreError, Result};
-use crate::manifest::{block_count, sync_dir, Chunk, FileEntry, Manifest};
+use crate::fsutil::open_beneath;
+use crate::manifest::{block_count, sync_dir, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
 
 /// Data offsets inside a file are multiples of this.
 pub const ALIGN: u64 = 64;
@@ -85,9 +86,14 @@ pub fn write_chunks(
     block_size: u64,
     workers: usize,
 ) -> Result<(Vec<Written>, Vec<FileEntry>)> {
-    if block_size == 0 || items.iter().any(|it| it.file >= rel_paths.len()) {
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        return Err(CoreError::InvalidArgument(format!(
+            "write_chunks: block size {block_size} is not in 1..={MAX_BLOCK_SIZE}"
+        )));
+    }
+    if items.iter().any(|it| it.file >= rel_paths.len()) {
         return Err(CoreError::InvalidArgument(
-            "write_chunks: bad block size or file index".into(),
+            "write_chunks: file index out of range".into(),
         ));
     }
     let mut sizes = vec![0u64; rel_paths.len()];
@@ -251,9 +257,7 @@ pub fn read_into(
         let ch = &m.chunks[c.chunk];
         let slot = &mut files[ch.file as usize];
         if slot.is_none() {
-            let path = m.file_path(dir, ch.file);
-            let f = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
-            let size = f.metadata().map_err(|e| CoreError::io(&path, e))?.len();
+            let (f, path, size) = open_data_file(dir, m, ch.file)?;
             *slot = Some((f, path, size));
         }
         let (_, path, size) = slot.as_ref().unwrap();
@@ -520,18 +524,36 @@ fn make_units<'a>(
     units
 }
 
+/// Opens data file `file` of `m` strictly beneath `dir` (see [`open_beneath`]); returns it with
+/// its path (for errors) and its size.
+fn open_data_file(dir: &Path, m: &Manifest, file: u32) -> Result<(File, PathBuf, u64)> {
+    let path = m.file_path(dir, file);
+    let f = open_beneath(dir, &m.files[file as usize].path)?;
+    let size = f.metadata().map_err(|e| CoreError::io(&path, e))?.len();
+    Ok((f, path, size))
+}
+
 /// Streams every chunk of the checkpoint once and checks its block checksums and file extents.
 /// Returns the number of bytes verified.
 pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
-    let files = m
-        .files
-        .iter()
-        .map(|f| {
-            let path = dir.join(&f.path);
-            let file = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
-            Ok((file, path))
-        })
+    let files = (0..m.files.len())
+        .map(|f| open_data_file(dir, m, f as u32))
         .collect::<Result<Vec<_>>>()?;
+    // Check every extent against the real file sizes first: the work list below is then bounded
+    // by bytes that exist, not by sizes a manifest merely claims.
+    for (c, ch) in m.chunks.iter().enumerate() {
+        let (_, path, size) = &files[ch.file as usize];
+        if ch.offset + ch.len > *size {
+            let (key, chunk) = chunk_name(m, c);
+            return Err(CoreError::Truncated {
+                path: path.clone(),
+                key,
+                chunk,
+                needed: ch.offset + ch.len,
+                size: *size,
+            });
+        }
+    }
     let unit_max = MAX_UNIT.next_multiple_of(m.block_size);
     let mut work = Vec::new();
     for (c, ch) in m.chunks.iter().enumerate() {
@@ -544,7 +566,7 @@ pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
     let total = work.iter().map(|w| w.2 - w.1).sum();
     run_parallel(work, workers, |(c, s, e)| {
         let ch = &m.chunks[c];
-        let (f, path) = &files[ch.file as usize];
+        let (f, path, _) = &files[ch.file as usize];
         with_scratch(|buf| {
             buf.resize((e - s) as usize, 0);
             f.read_exact_at(buf, ch.offset + s)

@@ -3,16 +3,19 @@
 
 pub mod dtype;
 pub mod error;
+pub mod fsutil;
 pub mod index;
 pub mod io;
 pub mod load;
 pub mod manifest;
 pub mod plan;
 pub mod region;
+pub mod txn;
 
 pub use error::{CoreError, Result};
 pub use io::{default_workers, read_into, verify_all, write_chunks, ByteCopy, WriteItem, Written};
-pub use load::{check_manifest_coverage, plan_copies, plan_runs, remove_stale_data, Target};
+pub use load::{check_manifest_coverage, plan_copies, plan_runs, Target};
 pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};
 pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};
+pub use txn::{SaveOptions, SaveTxn};

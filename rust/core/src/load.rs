@@ -1,7 +1,6 @@
 //! Turning wanted regions into byte copies, and whole-manifest checks.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use crate::dtype::itemsize;
 use crate::error::{CoreError, Result};
@@ -131,34 +130,4 @@ pub fn check_manifest_coverage(m: &Manifest) -> Result<()> {
         check_coverage(&meta.key, &meta.shape, &regions)?;
     }
     Ok(())
-}
-
-/// Removes data directories `dir/data/*` that the committed manifest does not reference (left by
-/// earlier saves or by failed ones). Returns how many were removed.
-pub fn remove_stale_data(dir: &Path, m: &Manifest) -> Result<usize> {
-    let data = dir.join("data");
-    let Ok(entries) = std::fs::read_dir(&data) else {
-        return Ok(0);
-    };
-    let live: std::collections::HashSet<&str> = m
-        .files
-        .iter()
-        .filter_map(|f| f.path.strip_prefix("data/")?.split('/').next())
-        .collect();
-    let mut removed = 0;
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        if !live.contains(name.as_ref()) {
-            let p = e.path();
-            let res = if p.is_dir() {
-                std::fs::remove_dir_all(&p)
-            } else {
-                std::fs::remove_file(&p)
-            };
-            res.map_err(|err| CoreError::io(&p, err))?;
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }

@@ -1,8 +1,8 @@
 //! The manifest: a 64-byte header, a JSON metadata section, a binary chunk table and a checksum
 //! table. `docs/FORMAT.md` is the normative description; keep the two in step.
 
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs::File;
+use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 
 use crate::dtype::itemsize;
 use crate::error::{CoreError, Result};
-use crate::region::{checked_numel, Region};
+use crate::region::{checked_numel, Region, MAX_NDIM};
 
 pub const MAGIC: &[u8; 8] = b"OCHUNKS\n";
 pub const FORMAT_VERSION: u32 = 1;
@@ -19,6 +19,9 @@ pub const HEADER_LEN: usize = 64;
 /// Metadata sections larger than this are refused as corrupt.
 pub const MAX_META_LEN: u64 = 1 << 30;
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
+/// Largest checksum block size a manifest may declare (and a writer may use). A reader holds up
+/// to one block per worker in memory, so this bounds what a crafted manifest can make it allocate.
+pub const MAX_BLOCK_SIZE: u64 = 64 << 20;
 
 const KIND_BOX: u8 = 0;
 const KIND_FLAT: u8 = 1;
@@ -222,8 +225,11 @@ impl Manifest {
                 meta.checksum
             )));
         }
-        if meta.block_size == 0 || meta.block_size > MAX_META_LEN {
-            return Err(bad(format!("block size {} out of range", meta.block_size)));
+        if meta.block_size == 0 || meta.block_size > MAX_BLOCK_SIZE {
+            return Err(bad(format!(
+                "block size {} out of range 1..={MAX_BLOCK_SIZE}",
+                meta.block_size
+            )));
         }
         for f in &meta.files {
             if !is_contained(&f.path) {
@@ -245,6 +251,12 @@ impl Manifest {
             let key = &t.key;
             if !seen.insert(key.as_str()) {
                 return Err(bad(format!("tensor {key:?} is listed twice")));
+            }
+            if t.shape.len() > MAX_NDIM {
+                return Err(bad(format!(
+                    "tensor {key:?} has {} dimensions; at most {MAX_NDIM} are supported",
+                    t.shape.len()
+                )));
             }
             let item = itemsize(&t.dtype)
                 .ok_or_else(|| bad(format!("tensor {key:?}: unknown dtype {:?}", t.dtype)))?;
@@ -360,33 +372,24 @@ impl Manifest {
         if !dir.is_dir() {
             return Err(missing("not a directory".into()));
         }
-        match fs::read(&path) {
-            Ok(bytes) => Self::decode(&bytes, &path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(missing(format!(
-                "no committed manifest {MANIFEST_NAME:?} (an interrupted save never commits one)"
-            ))),
-            Err(e) => Err(CoreError::io(path, e)),
-        }
+        // Like a data file: not through a symlink, and only a regular file (never a FIFO).
+        let mut f = match crate::fsutil::open_beneath(dir, MANIFEST_NAME) {
+            Err(CoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Err(missing(format!(
+                    "no committed manifest {MANIFEST_NAME:?} (an interrupted save never commits one)"
+                )))
+            }
+            other => other?,
+        };
+        let mut bytes = Vec::new();
+        f.read_to_end(&mut bytes)
+            .map_err(|e| CoreError::io(&path, e))?;
+        Self::decode(&bytes, &path)
     }
 
     /// Absolute path of data file `file`.
     pub fn file_path(&self, dir: &Path, file: u32) -> PathBuf {
         dir.join(&self.files[file as usize].path)
-    }
-
-    /// Writes the manifest into `dir` atomically: temp name, fsync, rename, fsync of the directory.
-    pub fn commit(&self, dir: &Path) -> Result<()> {
-        let bytes = self.encode();
-        let tmp = dir.join(format!(".{MANIFEST_NAME}.tmp-{}", std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()
-        };
-        write().map_err(|e| CoreError::io(&tmp, e))?;
-        let dst = dir.join(MANIFEST_NAME);
-        fs::rename(&tmp, &dst).map_err(|e| CoreError::io(&dst, e))?;
-        sync_dir(dir)
     }
 }
 

@@ -2,7 +2,7 @@
 
 use crate::error::{CoreError, Result};
 use crate::index::BoxIndex;
-use crate::region::{checked_numel, for_each_run, intersect_boxes, Piece, Region};
+use crate::region::{checked_numel, for_each_run, intersect_boxes, Piece, Region, MAX_NDIM};
 
 /// One copy: `len` elements at element `src_elem` of saved chunk `src` go to element `dst_elem`
 /// of target `dst`. Contiguous on both sides.
@@ -23,7 +23,8 @@ pub struct TensorPlanner {
 }
 
 impl TensorPlanner {
-    /// `chunks` must already be bounds-checked against `shape`.
+    /// `chunks` must already be bounds-checked against `shape`, which has at most [`MAX_NDIM`]
+    /// dims (the index nests one level per dim).
     pub fn new<'a>(shape: &[u64], chunks: impl IntoIterator<Item = &'a Region>) -> Self {
         let mut pieces = Vec::new();
         let mut piece_chunk = Vec::new();
@@ -143,6 +144,15 @@ fn push_merged(out: &mut Vec<Run>, r: Run) {
 
 /// Checks that `chunks` lie inside `shape` and cover every element exactly once.
 pub fn check_coverage(key: &str, shape: &[u64], chunks: &[Region]) -> Result<()> {
+    if shape.len() > MAX_NDIM {
+        return Err(CoreError::layout(
+            key,
+            format!(
+                "{} dimensions; at most {MAX_NDIM} are supported",
+                shape.len()
+            ),
+        ));
+    }
     let total = checked_numel(shape)
         .ok_or_else(|| CoreError::layout(key, format!("shape {shape:?} overflows u64 elements")))?;
     let mut covered = 0u64;
@@ -202,6 +212,11 @@ pub fn box_overlaps(
     saved: &[(Vec<u64>, Vec<u64>)],
     wanted: &[(Vec<u64>, Vec<u64>)],
 ) -> Result<Vec<Overlap>> {
+    if ndim > MAX_NDIM {
+        return Err(CoreError::InvalidArgument(format!(
+            "{ndim}-d boxes: at most {MAX_NDIM} dimensions are supported"
+        )));
+    }
     for (side, boxes) in [("saved", saved), ("wanted", wanted)] {
         for (i, (o, s)) in boxes.iter().enumerate() {
             let fits = o.len() == ndim
@@ -289,5 +304,9 @@ mod tests {
         let bad = vec![(vec![u64::MAX], vec![2])];
         assert!(box_overlaps(1, &bad, &bad).is_err());
         assert!(box_overlaps(2, &one, &one).is_err());
+        // Too many dims for the index (one nesting level per dim) is refused, not recursed into.
+        let deep = vec![(vec![0u64; 30_000], vec![1u64; 30_000])];
+        assert!(box_overlaps(30_000, &deep, &deep).is_err());
+        assert!(check_coverage("t", &[1; 30_000], &[]).is_err());
     }
 }

@@ -15,6 +15,10 @@ pub enum Region {
     Flat { start: u64, len: u64 },
 }
 
+/// Most dimensions a tensor may have (numpy's limit, and torch's for reductions over dims).
+/// Decoding refuses manifests with more, so per-dimension work stays small and bounded.
+pub const MAX_NDIM: usize = 64;
+
 /// Product of `dims`, or `None` on overflow.
 pub fn checked_numel(dims: &[u64]) -> Option<u64> {
     dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -173,63 +177,94 @@ pub fn intersect_boxes(
 }
 
 /// Decomposes the flat range `[start, end)` of the row-major order of `shape` into at most
-/// `2 * ndim - 1` disjoint boxes, in canonical order.
+/// `2 * ndim - 1` disjoint boxes, in canonical order. Iterative, so any `ndim` is safe.
+///
+/// The range descends through the leading dims while it stays inside one index; at the first dim
+/// where it spans several, it is a suffix of index `a` (slabs from the deepest dim up), the whole
+/// indices `a+1..b` (or `a..b`), and a prefix of index `b` (slabs from the shallowest dim down).
 pub fn flat_boxes(shape: &[u64], start: u64, end: u64) -> Vec<(Vec<u64>, Vec<u64>)> {
+    let n = shape.len();
     let mut out = Vec::new();
-    if start < end {
-        flat_boxes_rec(shape, start, end, &mut Vec::new(), &mut out);
+    if start >= end {
+        return out;
     }
-    out
-}
-
-fn flat_boxes_rec(
-    shape: &[u64],
-    s: u64,
-    e: u64,
-    prefix: &mut Vec<u64>,
-    out: &mut Vec<(Vec<u64>, Vec<u64>)>,
-) {
-    let depth = prefix.len();
-    let with_prefix = |prefix: &[u64], off: Vec<u64>, size: Vec<u64>| {
-        let mut o = prefix.to_vec();
-        o.extend(off);
-        let mut z = vec![1u64; prefix.len()];
-        z.extend(size);
-        (o, z)
+    // inner[d]: elements per index of dim d.
+    let mut inner = vec![1u64; n];
+    for d in (0..n.saturating_sub(1)).rev() {
+        inner[d] = inner[d + 1] * shape[d + 1];
+    }
+    // The box of indices `lo..hi` of dim `prefix.len()` under the fixed leading indices `prefix`.
+    let slab = |prefix: &[u64], lo: u64, hi: u64| {
+        let d = prefix.len();
+        let mut off = prefix.to_vec();
+        off.push(lo);
+        off.resize(n, 0);
+        let mut size = vec![1u64; d];
+        size.push(hi - lo);
+        size.extend_from_slice(&shape[d + 1..]);
+        (off, size)
     };
-    if shape.is_empty() {
-        out.push(with_prefix(prefix, Vec::new(), Vec::new()));
-        return;
-    }
-    let inner: u64 = shape[1..].iter().product();
-    let rest = &shape[1..];
-    let (a, b) = (s / inner, e / inner);
-    let (s_rem, e_rem) = (s % inner, e % inner);
-    if a == b {
+    let mut prefix = Vec::with_capacity(n);
+    let (mut s, mut e) = (start, end);
+    let (a, b) = loop {
+        let Some(&w) = inner.get(prefix.len()) else {
+            // Inside one element.
+            out.push((prefix, vec![1u64; n]));
+            return out;
+        };
+        let (a, b) = (s / w, e / w);
+        if a != b {
+            break (a, b);
+        }
         prefix.push(a);
-        flat_boxes_rec(rest, s_rem, e_rem, prefix, out);
-        prefix.truncate(depth);
-        return;
-    }
+        (s, e) = (s % w, e % w);
+    };
+    let w = inner[prefix.len()];
     let mut full_start = a;
-    if s_rem != 0 {
-        prefix.push(a);
-        flat_boxes_rec(rest, s_rem, inner, prefix, out);
-        prefix.truncate(depth);
+    if s % w != 0 {
+        // Suffix `[s % w, w)` of index `a`.
+        let mut p = prefix.clone();
+        p.push(a);
+        let mut rest = s % w;
+        let mut slabs = Vec::new();
+        loop {
+            let (k, w) = (p.len(), inner[p.len()]);
+            let (i, r) = (rest / w, rest % w);
+            if r == 0 {
+                slabs.push(slab(&p, i, shape[k]));
+                break;
+            }
+            if i + 1 < shape[k] {
+                slabs.push(slab(&p, i + 1, shape[k]));
+            }
+            p.push(i);
+            rest = r;
+        }
+        out.extend(slabs.into_iter().rev());
         full_start = a + 1;
     }
     if b > full_start {
-        let mut off = vec![full_start];
-        off.extend(std::iter::repeat_n(0, rest.len()));
-        let mut size = vec![b - full_start];
-        size.extend_from_slice(rest);
-        out.push(with_prefix(prefix, off, size));
+        out.push(slab(&prefix, full_start, b));
     }
-    if e_rem != 0 {
-        prefix.push(b);
-        flat_boxes_rec(rest, 0, e_rem, prefix, out);
-        prefix.truncate(depth);
+    if e % w != 0 {
+        // Prefix `[0, e % w)` of index `b`.
+        let mut p = prefix;
+        p.push(b);
+        let mut rest = e % w;
+        loop {
+            let w = inner[p.len()];
+            let (i, r) = (rest / w, rest % w);
+            if i > 0 {
+                out.push(slab(&p, 0, i));
+            }
+            if r == 0 {
+                break;
+            }
+            p.push(i);
+            rest = r;
+        }
     }
+    out
 }
 
 /// Calls `f(src_offset, dst_offset, len)` for each maximal run of the box `(off, size)` that is
@@ -311,6 +346,64 @@ mod tests {
                 assert_eq!(elems, (s..e).collect::<Vec<_>>());
             }
         }
+    }
+
+    /// Canonical indices of the boxes' elements, in order (brute force over any ndim).
+    fn box_elements(shape: &[u64], boxes: &[(Vec<u64>, Vec<u64>)]) -> Vec<u64> {
+        let strides = row_major_strides(shape);
+        let mut out = Vec::new();
+        for (o, z) in boxes {
+            assert!(!z.contains(&0), "empty box {o:?}+{z:?}");
+            let mut idx = vec![0u64; z.len()];
+            'coords: loop {
+                out.push(
+                    idx.iter()
+                        .zip(o)
+                        .zip(&strides)
+                        .map(|((i, o), s)| (i + o) * s)
+                        .sum(),
+                );
+                for d in (0..z.len()).rev() {
+                    idx[d] += 1;
+                    if idx[d] < z[d] {
+                        continue 'coords;
+                    }
+                    idx[d] = 0;
+                }
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn flat_boxes_cover_every_range_of_assorted_shapes() {
+        for shape in [
+            vec![5u64],
+            vec![1, 1, 4],
+            vec![2, 1, 3, 2],
+            vec![2, 3, 1, 2, 2],
+            vec![3, 1, 1],
+        ] {
+            let total: u64 = shape.iter().product();
+            for s in 0..=total {
+                for e in s..=total {
+                    let boxes = flat_boxes(&shape, s, e);
+                    assert!(boxes.len() < 2 * shape.len(), "{shape:?} {s}..{e}");
+                    assert_eq!(box_elements(&shape, &boxes), (s..e).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn flat_boxes_of_very_many_dims_do_not_recurse() {
+        // 30,000 dims: one box, computed without a stack frame per dim.
+        let mut shape = vec![1u64; 30_000];
+        shape[0] = 2;
+        shape[29_999] = 3;
+        let boxes = flat_boxes(&shape, 1, 5);
+        assert_eq!(box_elements(&shape, &boxes), vec![1, 2, 3, 4]);
     }
 
     #[test]

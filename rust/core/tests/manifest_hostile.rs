@@ -633,3 +633,76 @@ fn tensor_without_its_chunks_is_corrupt() {
     m.chunk_start.push(m.chunks.len());
     expect_corrupt(decode(&m.encode()), "ends early");
 }
+
+/// One tensor of `ndim` dims of size 1 (a flat chunk and, for `boxed`, a box chunk too).
+fn many_dims(ndim: usize, boxed: bool) -> Manifest {
+    let mut tensors = vec![SavedTensor {
+        key: "deep.flat".into(),
+        dtype: "float32".into(),
+        shape: vec![1; ndim],
+        regions: vec![Region::Flat { start: 0, len: 1 }],
+    }];
+    if boxed {
+        tensors.push(SavedTensor {
+            key: "deep.box".into(),
+            dtype: "float32".into(),
+            shape: vec![1; ndim],
+            regions: vec![Region::Box {
+                offsets: vec![0; ndim],
+                sizes: vec![1; ndim],
+            }],
+        });
+    }
+    in_memory_manifest(&tensors, 8)
+}
+
+#[test]
+fn too_many_dimensions_are_refused_without_recursing() {
+    use olmo_chunks_core::region::MAX_NDIM;
+    // At the cap: accepted and usable.
+    let bytes = many_dims(MAX_NDIM, true).encode();
+    let m = decode(&bytes).unwrap();
+    check_manifest_coverage(&m).unwrap();
+    exercise(&m, &bytes);
+    // Above it, up to the 30,000 dims that used to overflow the stack in `verify`.
+    for (ndim, boxed) in [(MAX_NDIM + 1, true), (30_000, false), (30_000, true)] {
+        let bytes = many_dims(ndim, boxed).encode();
+        match decode(&bytes) {
+            Ok(m) => {
+                // What `verify` runs next; before the cap this overflowed the stack.
+                exercise(&m, &bytes);
+                panic!("{ndim}-d manifest accepted");
+            }
+            Err(e) => expect_corrupt(Err(e), "dimensions; at most 64"),
+        }
+    }
+}
+
+#[test]
+fn block_sizes_above_the_cap_are_refused() {
+    use olmo_chunks_core::manifest::MAX_BLOCK_SIZE;
+    assert_eq!(MAX_BLOCK_SIZE, 64 << 20);
+    let at_cap = with(|m| m.block_size = MAX_BLOCK_SIZE);
+    decode(&at_cap).unwrap();
+    for bs in [MAX_BLOCK_SIZE + 1, 1 << 30, 1 << 40] {
+        // A crafted manifest with a 1 GiB block size made `verify` allocate 1 GiB per worker.
+        expect_corrupt(decode(&with(|m| m.block_size = bs)), "block size");
+    }
+}
+
+#[test]
+fn deeply_nested_entries_do_not_overflow_the_stack() {
+    let bytes = sample().encode();
+    let (meta, table, crcs) = sections(&bytes);
+    let text = String::from_utf8(meta).unwrap();
+    for depth in [200usize, 100_000] {
+        let nested = format!("{{\"x\":{}{}}}", "[".repeat(depth), "]".repeat(depth));
+        let t = text.replacen("\"entries\":{}", &format!("\"entries\":{nested}"), 1);
+        assert_ne!(t, text);
+        // Kept verbatim (entries are the Python layer's) or refused; never a crash.
+        match decode(&reseal(1, t.as_bytes(), &table, &crcs)) {
+            Ok(m) => assert!(m.entries.get().starts_with("{\"x\":[[")),
+            Err(e) => expect_corrupt(Err(e), "metadata"),
+        }
+    }
+}

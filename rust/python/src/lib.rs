@@ -34,6 +34,9 @@ fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
         CoreError::Truncated { .. } => ("TruncatedDataError", None),
         CoreError::Layout { .. } => ("LayoutError", None),
         CoreError::InvalidArgument(_) => ("InvalidArgumentError", None),
+        CoreError::UnsafePath { .. } => ("UnsafePathError", None),
+        CoreError::Exists { .. } => ("CheckpointExistsError", None),
+        CoreError::Locked { .. } => ("CheckpointLockedError", None),
         _ => ("OlmoChunksError", None),
     };
     let made = py
@@ -393,86 +396,127 @@ fn write_chunks<'py>(
 
 type PyChunk = (String, Vec<u64>, Vec<u64>, u32, u64, u64, Vec<u8>);
 
-/// Assembles a manifest, checks exact coverage of every tensor, commits it atomically into `dir`
-/// and removes data of earlier saves. `tensors` are `(key, dtype, shape, role, chunks)` with
-/// chunks `(kind, a, b, file, offset, nbytes, checksums_le_bytes)`.
-#[pyfunction]
-#[pyo3(signature = (dir, save_id, block_size, files, tensors, entries_json, info_json))]
-#[allow(clippy::too_many_arguments)]
-fn commit(
-    py: Python<'_>,
+/// One save into a checkpoint directory (`olmo_chunks._core.SaveTransaction`): takes the
+/// directory's lease, hands out the save id data files go under, then commits or aborts.
+#[pyclass(name = "SaveTransaction", module = "olmo_chunks._core", frozen)]
+struct PySaveTransaction {
+    inner: std::sync::Mutex<core::SaveTxn>,
     dir: PathBuf,
     save_id: String,
-    block_size: u64,
-    files: Vec<(String, u64)>,
-    tensors: Vec<PyTensor>,
-    entries_json: &str,
-    info_json: &str,
-) -> PyResult<PyManifest> {
-    let parse = |s: &str| {
-        serde_json::from_str(s).map_err(|e| CoreError::InvalidArgument(format!("bad JSON: {e}")))
-    };
-    let build = || -> core::Result<Manifest> {
-        let mut m = Manifest {
-            save_id,
-            block_size,
-            files: files
-                .into_iter()
-                .map(|(path, size)| core::FileEntry { path, size })
-                .collect(),
-            tensors: Vec::new(),
-            chunk_start: vec![0],
-            chunks: Vec::new(),
-            checksums: Vec::new(),
-            entries: parse(entries_json)?,
-            info: parse(info_json)?,
+}
+
+#[pymethods]
+impl PySaveTransaction {
+    /// Takes the lease of checkpoint directory `path` (created if missing) for a new save.
+    #[staticmethod]
+    #[pyo3(signature = (path, overwrite=false, lease_timeout=60.0))]
+    fn begin(py: Python<'_>, path: PathBuf, overwrite: bool, lease_timeout: f64) -> PyResult<Self> {
+        let lease_timeout =
+            std::time::Duration::try_from_secs_f64(lease_timeout).map_err(|_| {
+                to_pyerr(
+                    py,
+                    CoreError::InvalidArgument(format!("bad lease timeout {lease_timeout}")),
+                )
+            })?;
+        let opts = core::SaveOptions {
+            overwrite,
+            lease_timeout,
         };
-        for (key, dtype, shape, role, chunks) in tensors {
-            let n = chunks.len();
-            for (kind, a, b, file, offset, len, crcs) in chunks {
-                let crc_index = m.checksums.len() as u64;
-                m.checksums.extend(
-                    crcs.chunks_exact(4)
-                        .map(|c| u32::from_le_bytes(c.try_into().unwrap())),
-                );
-                m.chunks.push(core::Chunk {
-                    region: region_from_py(&kind, a, b)?,
-                    file,
-                    offset,
-                    len,
-                    crc_index,
+        let txn = detach(py, || core::SaveTxn::begin(&path, opts))?;
+        Ok(PySaveTransaction {
+            save_id: txn.save_id().to_string(),
+            inner: std::sync::Mutex::new(txn),
+            dir: path,
+        })
+    }
+
+    #[getter]
+    fn save_id(&self) -> &str {
+        &self.save_id
+    }
+
+    /// Assembles the manifest, checks it as every reader does (and exact coverage), commits it
+    /// atomically and removes the data of the saves it supersedes. `tensors` are `(key, dtype,
+    /// shape, role, chunks)` with chunks `(kind, a, b, file, offset, nbytes, checksums_le_bytes)`.
+    #[pyo3(signature = (block_size, files, tensors, entries_json, info_json))]
+    fn commit(
+        &self,
+        py: Python<'_>,
+        block_size: u64,
+        files: Vec<(String, u64)>,
+        tensors: Vec<PyTensor>,
+        entries_json: &str,
+        info_json: &str,
+    ) -> PyResult<PyManifest> {
+        let parse = |s: &str| {
+            serde_json::from_str(s)
+                .map_err(|e| CoreError::InvalidArgument(format!("bad JSON: {e}")))
+        };
+        let dir = self.dir.clone();
+        let build = || -> core::Result<Manifest> {
+            let mut m = Manifest {
+                save_id: self.save_id.clone(),
+                block_size,
+                files: files
+                    .into_iter()
+                    .map(|(path, size)| core::FileEntry { path, size })
+                    .collect(),
+                tensors: Vec::new(),
+                chunk_start: vec![0],
+                chunks: Vec::new(),
+                checksums: Vec::new(),
+                entries: parse(entries_json)?,
+                info: parse(info_json)?,
+            };
+            for (key, dtype, shape, role, chunks) in tensors {
+                let n = chunks.len();
+                for (kind, a, b, file, offset, len, crcs) in chunks {
+                    let crc_index = m.checksums.len() as u64;
+                    m.checksums.extend(
+                        crcs.chunks_exact(4)
+                            .map(|c| u32::from_le_bytes(c.try_into().unwrap())),
+                    );
+                    m.chunks.push(core::Chunk {
+                        region: region_from_py(&kind, a, b)?,
+                        file,
+                        offset,
+                        len,
+                        crc_index,
+                    });
+                }
+                m.chunk_start.push(m.chunks.len());
+                m.tensors.push(core::TensorEntry {
+                    key,
+                    dtype,
+                    shape,
+                    role,
+                    order: "row-major".into(),
+                    chunks: n,
                 });
             }
-            m.chunk_start.push(m.chunks.len());
-            m.tensors.push(core::TensorEntry {
-                key,
-                dtype,
-                shape,
-                role,
-                order: "row-major".into(),
-                chunks: n,
-            });
-        }
-        // Round-trip through the decoder: the same validation every reader applies.
-        let m = Manifest::decode(&m.encode(), &dir.join(core::MANIFEST_NAME))?;
-        core::check_manifest_coverage(&m)?;
-        m.commit(&dir)?;
-        core::remove_stale_data(&dir, &m)?;
-        Ok(m)
-    };
-    let d = dir.clone();
-    let m = detach(py, build)?;
-    Ok(PyManifest {
-        inner: Arc::new(m),
-        dir: d,
-    })
+            // Round-trip through the decoder: the same validation every reader applies.
+            let m = Manifest::decode(&m.encode(), &dir.join(core::MANIFEST_NAME))?;
+            self.inner.lock().unwrap().commit(&m)?;
+            Ok(m)
+        };
+        let m = detach(py, build)?;
+        Ok(PyManifest {
+            inner: Arc::new(m),
+            dir: self.dir.clone(),
+        })
+    }
+
+    /// Removes this save's data and releases the lease (the committed checkpoint is untouched).
+    fn abort(&self, py: Python<'_>) {
+        py.detach(|| self.inner.lock().unwrap().abort());
+    }
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyManifest>()?;
     m.add_function(wrap_pyfunction!(write_chunks, m)?)?;
-    m.add_function(wrap_pyfunction!(commit, m)?)?;
+    m.add_class::<PySaveTransaction>()?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;

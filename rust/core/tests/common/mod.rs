@@ -8,7 +8,8 @@ use std::path::Path;
 
 use olmo_chunks_core::manifest::block_count;
 use olmo_chunks_core::{
-    write_chunks, Chunk, FileEntry, Manifest, Piece, Region, TensorEntry, WriteItem,
+    write_chunks, Chunk, FileEntry, Manifest, Piece, Region, SaveOptions, SaveTxn, TensorEntry,
+    WriteItem,
 };
 
 /// splitmix64: small, seedable, good enough to drive layout generation from a proptest seed.
@@ -528,7 +529,15 @@ pub fn save_bytes(
     block_size: u64,
     workers: usize,
 ) {
-    let paths: Vec<String> = (0..nfiles).map(|i| format!("data/r{i}/part.bin")).collect();
+    let opts = SaveOptions {
+        overwrite: true,
+        lease_timeout: std::time::Duration::from_secs(60),
+    };
+    let mut txn = SaveTxn::begin(dir, opts).unwrap();
+    let prefix = txn.data_prefix();
+    let paths: Vec<String> = (0..nfiles)
+        .map(|i| format!("{prefix}/rank-{i:05}.bin"))
+        .collect();
     let items: Vec<WriteItem<'_>> = data
         .iter()
         .enumerate()
@@ -542,9 +551,9 @@ pub fn save_bytes(
         .into_iter()
         .map(|w| (w.file, w.offset, w.len, w.checksums))
         .collect();
-    assemble_manifest(tensors, placed, files, block_size)
-        .commit(dir)
-        .unwrap();
+    let mut m = assemble_manifest(tensors, placed, files, block_size);
+    m.save_id = txn.save_id().to_string();
+    txn.commit(&m).unwrap();
 }
 
 /// Saves `tensors` with their canonical chunk bytes; returns those bytes in chunk order.

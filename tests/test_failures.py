@@ -1,0 +1,419 @@
+"""Never lose a checkpoint, never hang: dead ranks, interrupted ranks and racing saves on real gloo
+worlds, and the save transaction's treatment of what it finds at the path (issue 15, items 1-3, 11,
+14)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import olmo_chunks
+import pytest
+import torch
+import torch.distributed as dist
+from olmo_chunks import _core
+from olmo_chunks.errors import (
+    CheckpointExistsError,
+    CheckpointLockedError,
+    InvalidArgumentError,
+    RankFailedError,
+)
+
+from tests import world
+
+PEER_TIMEOUT = 4.0
+LEASE = ".olmo_chunks.lease"
+
+
+def state(rank: int, version: int, mib: int = 4) -> dict[str, Any]:
+    """The same global tensors on every rank (replicated), plus per-rank values, distinct per
+    `version` so a checkpoint tells which save wrote it."""
+    n = mib << 18
+    return {
+        "w": torch.arange(n, dtype=torch.float32) + version,
+        "b": torch.full((1000,), float(version)),
+        f"rank{rank}": torch.full((10,), float(rank)),
+        "version": version,
+    }
+
+
+def holds(path: str | Path, version: int, ranks: int) -> bool:
+    sd = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+          for r in range(ranks) for k, v in state(r, version).items()}
+    olmo_chunks.load(sd, path)
+    want = {k: v for r in range(ranks) for k, v in state(r, version).items()}
+    return all(
+        torch.equal(sd[k], v) if isinstance(v, torch.Tensor) else sd[k] == v for k, v in want.items()
+    )
+
+
+def full_state(rank: int, ranks: int, version: int) -> dict[str, Any]:
+    sd = state(rank, version)
+    for r in range(ranks):
+        sd[f"rank{r}"] = torch.full((10,), float(r))
+    return sd
+
+
+# --------------------------------------------------------------------------------------------
+# Raw worlds: ranks may die, so each trial gets fresh processes and reports per rank.
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, size: int, rendezvous: str, conn: mpc.Connection, fn: Any, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    try:
+        out = ("ok", fn(rank, *args), time.time())
+    except BaseException as exc:
+        out = ("err", f"{type(exc).__name__}: {exc}", time.time())
+    conn.send_bytes(pickle.dumps(out))
+    conn.close()
+    os._exit(0)
+
+
+def run_raw(size: int, fn: Any, *args: Any, timeout: float = 120) -> list[tuple[str, Any, float] | None]:
+    """Runs `fn(rank, *args)` on a fresh gloo world; per rank `(status, result or error, end
+    time)`, or None for a rank that died. Ranks still running at `timeout` count as hung."""
+    ctx = world._context()
+    tmp = tempfile.mkdtemp()
+    pipes, procs = [], []
+    with world._single_threaded_children():
+        for r in range(size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(r, size, f"{tmp}/rdv", child, fn, args), daemon=True)
+            p.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(p)
+    out: list[Any] = [None] * size
+    deadline = time.monotonic() + timeout
+    for r, conn in enumerate(pipes):
+        if conn.poll(max(0.0, deadline - time.monotonic())):
+            with contextlib.suppress(EOFError):
+                out[r] = pickle.loads(conn.recv_bytes())
+        elif procs[r].is_alive():
+            out[r] = ("hung", None, time.time())
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    return out
+
+
+def _die_at(point: str, victim: int, rank: int, mark: str) -> None:
+    """Makes this process SIGKILL itself at `point` if it is the victim."""
+    if rank != victim:
+        return
+    from olmo_chunks import _dist, checkpoint
+
+    def kill() -> None:
+        Path(mark).write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "describe":
+        orig_flatten = checkpoint.flatten
+        checkpoint.flatten = lambda sd: (kill(), orig_flatten(sd))[1]
+    elif point == "write":
+        checkpoint._write = lambda *a, **k: kill()
+    elif point == "after-write":
+        orig_write = checkpoint._write
+        checkpoint._write = lambda *a, **k: (orig_write(*a, **k), kill())[0]
+    elif point == "commit":
+        checkpoint.commit_manifest = lambda *a, **k: kill()
+    elif point == "load":
+        orig = checkpoint._load_tensors
+        checkpoint._load_tensors = lambda *a, **k: (kill(), orig(*a, **k))
+    elif point == "exchange":
+        orig_ex = _dist.Group.exchange
+        _dist.Group.exchange = lambda self, *a, **k: (kill(), orig_ex(self, *a, **k))[1]
+
+
+def _save_and_maybe_die(rank: int, path: str, point: str, victim: int, mark: str) -> str:
+    _die_at(point, victim, rank, mark)
+    sd = full_state(rank, 4, 2)
+    if point == "load":
+        olmo_chunks.load(sd, path, peer_timeout=PEER_TIMEOUT)
+    else:
+        olmo_chunks.save(sd, path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    return "done"
+
+
+def _first_save(rank: int, path: str) -> None:
+    olmo_chunks.save(full_state(rank, 4, 1), path)
+
+
+@pytest.mark.parametrize(
+    ("point", "victim"),
+    [("describe", 2), ("write", 1), ("after-write", 3), ("commit", 0), ("load", 2), ("exchange", 0)],
+)
+def test_a_dead_rank_fails_every_survivor_in_bounded_time(tmp_path, point, victim):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
+    mark = str(tmp_path / "died")
+    results = run_raw(4, _save_and_maybe_die, path, point, victim, mark, timeout=90)
+    assert results[victim] is None, results
+    died = float(Path(mark).read_text())
+    for r, res in enumerate(results):
+        if r == victim:
+            continue
+        status, msg, end = res
+        assert status == "err" and msg.startswith("RankFailedError"), (r, res)
+        assert f"rank {victim}" in msg, (r, msg)
+        assert end - died < PEER_TIMEOUT + 6, (r, end - died)
+    # The checkpoint that was there is intact, and nothing of the failed save survives it.
+    assert holds(path, 1, 4)
+    m = _core.Manifest.open(path)
+    m.check_coverage()
+    m.verify_data()
+
+
+def _interrupt(rank: int, path: str, victim: int) -> str:
+    if rank == victim:
+        from olmo_chunks import checkpoint
+
+        def boom(*a: Any, **k: Any) -> None:
+            raise KeyboardInterrupt
+
+        checkpoint._write = boom
+    olmo_chunks.save(full_state(rank, 4, 2), path, overwrite=True, peer_timeout=60)
+    return "done"
+
+
+def test_a_keyboard_interrupt_on_one_rank_fails_all_at_once(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
+    t0 = time.time()
+    results = run_raw(4, _interrupt, path, 3)
+    assert results[3][:2] == ("err", "KeyboardInterrupt: "), results
+    for r in range(3):
+        assert results[r][0] == "err" and "RankFailedError: rank 3 failed: KeyboardInterrupt" in results[r][1]
+        assert results[r][2] - t0 < 30  # well inside the 60 s peer timeout: nobody waited for it
+    assert holds(path, 1, 4)
+    assert os.listdir(Path(path) / "data") == [_core.Manifest.open(path).save_id]
+    assert not (Path(path) / LEASE).exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Racing saves
+# --------------------------------------------------------------------------------------------
+
+
+def _racer(rank: int, path: str, version: int, start_at: float, hold: float) -> str:
+    from olmo_chunks import checkpoint
+
+    if hold:
+        orig = checkpoint._write
+
+        def slow(*a: Any, **k: Any) -> Any:
+            time.sleep(hold)
+            return orig(*a, **k)
+
+        checkpoint._write = slow
+    time.sleep(max(0.0, start_at - time.time()))
+    try:
+        olmo_chunks.save(full_state(rank, 2, version), path, overwrite=True, peer_timeout=30)
+    except (CheckpointLockedError, RankFailedError) as exc:
+        return f"lost: {type(exc).__name__}: {exc}"
+    return "won"
+
+
+def _race(path: str, holds_a: float, delay_b: float) -> tuple[list, list]:
+    """World A (version 10) and world B (version 20), 2 ranks each, saving to one path at once."""
+    import threading
+
+    start = time.time() + 10  # both worlds are up by then
+    out: dict[str, list] = {}
+    ta = threading.Thread(target=lambda: out.__setitem__("a", run_raw(2, _racer, path, 10, start, holds_a)))
+    ta.start()
+    out["b"] = run_raw(2, _racer, path, 20, start + delay_b, 0.0)
+    ta.join()
+    return out["a"], out["b"]
+
+
+def test_two_worlds_racing_to_one_path(tmp_path):
+    path = str(tmp_path / "ckpt")
+    # A holds its lease for 3 s while B starts: B must lose on every rank, A must win.
+    a, b = _race(path, holds_a=3.0, delay_b=1.0)
+    assert [r[1] for r in a] == ["won", "won"], a
+    assert all(r[1].startswith("lost") for r in b), b
+    assert "CheckpointLockedError" in b[0][1] and "another save holds its lease" in b[0][1]
+    assert holds(path, 10, 2)
+    # Free-running races: whoever wins, the path holds exactly one complete save.
+    for _ in range(2):
+        a, b = _race(path, holds_a=0.0, delay_b=0.0)
+        outcomes = {"a": {r[1].split(":")[0] for r in a}, "b": {r[1].split(":")[0] for r in b}}
+        assert all(len(v) == 1 for v in outcomes.values()), (a, b)  # a world wins or loses as one
+        winners = [w for w, v in outcomes.items() if v == {"won"}]
+        assert winners, (a, b)
+        assert any(holds(path, {"a": 10, "b": 20}[w], 2) for w in winners)
+        _core.Manifest.open(path).verify_data()
+        assert len(os.listdir(Path(path) / "data")) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# What a save finds at the path (single process)
+# --------------------------------------------------------------------------------------------
+
+
+def test_save_refuses_a_directory_with_files_it_did_not_write(tmp_path):
+    p = tmp_path / "ckpt"
+    (p / "data").mkdir(parents=True)
+    (p / "data" / "train.jsonl").write_text("hi")
+    with pytest.raises(InvalidArgumentError, match=r"not an olmo-chunks checkpoint \(found data/train.jsonl\)"):
+        olmo_chunks.save({"w": torch.ones(3)}, p)
+    assert (p / "data" / "train.jsonl").read_text() == "hi"
+    (p / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidArgumentError, match=r"notes\.txt"):
+        olmo_chunks.save({"w": torch.ones(3)}, p, overwrite=True)
+
+
+def test_save_never_writes_through_a_symlinked_data_dir(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "precious.bin").write_bytes(b"x")
+    p = tmp_path / "ckpt"
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+    import shutil
+
+    shutil.rmtree(p / "data")
+    os.symlink(target, p / "data")
+    with pytest.raises(InvalidArgumentError, match="data \\(not a directory\\)"):
+        olmo_chunks.save({"w": torch.ones(3)}, p, overwrite=True)
+    assert os.listdir(target) == ["precious.bin"]
+
+
+def test_foreign_files_beside_a_checkpoint_survive_saves(tmp_path):
+    p = tmp_path / "ckpt"
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+    (p / "README").write_text("user")
+    (p / "data" / "user-dir").mkdir()
+    (p / "data" / "user-dir" / "x.txt").write_text("user")
+    (p / "data" / ("e" * 32)).mkdir()  # looks like a save id but holds a file no save writes
+    (p / "data" / ("e" * 32) / "notes.txt").write_text("user")
+    olmo_chunks.save({"w": torch.full((3,), 2.0)}, p, overwrite=True)
+    assert (p / "README").read_text() == "user"
+    assert (p / "data" / "user-dir" / "x.txt").read_text() == "user"
+    assert (p / "data" / ("e" * 32) / "notes.txt").read_text() == "user"
+    sd = {"w": torch.zeros(3)}
+    olmo_chunks.load(sd, p)
+    assert torch.equal(sd["w"], torch.full((3,), 2.0))
+
+
+def test_overwrite_is_explicit(tmp_path):
+    p = tmp_path / "ckpt"
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+    with pytest.raises(CheckpointExistsError, match="pass overwrite=True"):
+        olmo_chunks.save({"w": torch.zeros(3)}, p)
+    sd = {"w": torch.zeros(3)}
+    olmo_chunks.load(sd, p)
+    assert torch.equal(sd["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("sd", [{"step": 1}, {}, {"w": torch.empty(0), "cfg": {"lr": 0.1}}])
+def test_saves_without_tensor_bytes(tmp_path, sd):
+    p = tmp_path / "new" / "ckpt"
+    olmo_chunks.save(sd, p)
+    back = {k: (torch.empty(0) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+    olmo_chunks.load(back, p)
+    assert back.keys() == sd.keys()
+    assert all(back[k] == v for k, v in sd.items() if not isinstance(v, torch.Tensor))
+
+
+def test_url_paths_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="URL schemes are not supported"):
+        olmo_chunks.save({"w": torch.ones(3)}, "s3://bucket/x")
+    assert os.listdir(tmp_path) == []
+
+
+def _fake_lease(p: Path, *, pid: int, host: str, age: float) -> None:
+    p.mkdir(parents=True, exist_ok=True)
+    me = json.loads(json.dumps({"save_id": "0" * 32, "host": host, "boot_id": "", "pid_ns": "", "pid": pid}))
+    if host == socket.gethostname():
+        me["boot_id"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        me["pid_ns"] = os.readlink("/proc/self/ns/pid")
+    (p / LEASE).write_text(json.dumps(me))
+    t = time.time() - age
+    os.utime(p / LEASE, (t, t))
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leases_of_dead_writers_are_taken_over_and_live_ones_refused(tmp_path):
+    p = tmp_path / "ckpt"
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+    # A live writer elsewhere, heartbeat fresh: refused, the checkpoint untouched.
+    _fake_lease(p, pid=1, host="other-host", age=1)
+    with pytest.raises(CheckpointLockedError, match="another save holds its lease"):
+        olmo_chunks.save({"w": torch.zeros(3)}, p, overwrite=True)
+    # The same writer silent for longer than the lease timeout: dead, taken over.
+    _fake_lease(p, pid=1, host="other-host", age=120)
+    olmo_chunks.save({"w": torch.full((3,), 2.0)}, p, overwrite=True)
+    # A writer of this machine whose process is gone: dead at once, whatever its heartbeat says.
+    _fake_lease(p, pid=_dead_pid(), host=socket.gethostname(), age=0)
+    olmo_chunks.save({"w": torch.full((3,), 3.0)}, p, overwrite=True)
+    sd = {"w": torch.zeros(3)}
+    olmo_chunks.load(sd, p)
+    assert torch.equal(sd["w"], torch.full((3,), 3.0))
+    assert not (p / LEASE).exists()
+
+
+def test_a_failed_save_removes_its_data_and_the_next_save_cleans_what_a_killed_one_left(tmp_path):
+    p = tmp_path / "ckpt"
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+    live = _core.Manifest.open(str(p)).save_id
+    with pytest.raises(InvalidArgumentError, match="block size"):  # fails after the lease, in the write
+        olmo_chunks.save({"w": torch.ones(3)}, p, overwrite=True, block_size=0)
+    assert os.listdir(p / "data") == [live]
+    # What a kill -9 leaves: a partial save directory, a temp manifest, a lease of a dead pid.
+    dead = "d" * 32
+    (p / "data" / dead).mkdir()
+    (p / "data" / dead / "rank-00000.bin").write_bytes(b"\0" * 100)
+    (p / f".olmo_chunks.manifest.tmp-{dead}").write_bytes(b"partial")
+    _fake_lease(p, pid=_dead_pid(), host=socket.gethostname(), age=0)
+    olmo_chunks.save({"w": torch.full((3,), 2.0)}, p, overwrite=True)
+    new = _core.Manifest.open(str(p)).save_id
+    assert sorted(os.listdir(p)) == ["data", "olmo_chunks.manifest"]
+    assert os.listdir(p / "data") == [new]
+
+
+def test_tied_weights_load_through_the_native_door(tmp_path):
+    def model() -> torch.nn.Module:
+        m = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 7, bias=False))
+        m[1].weight = m[0].weight
+        return m
+
+    src = model()
+    olmo_chunks.save(src.state_dict(), tmp_path / "c")
+    dst = model()
+    with torch.no_grad():
+        dst[0].weight.zero_()
+    report = olmo_chunks.load(dst.state_dict(), tmp_path / "c")
+    assert report.loaded == ["0.weight", "1.weight"]
+    assert torch.equal(dst[0].weight, src[0].weight) and dst[1].weight is dst[0].weight
+    # A checkpoint whose two keys differ cannot fill one shared storage.
+    olmo_chunks.save({"0.weight": torch.ones(7, 4), "1.weight": torch.zeros(7, 4)}, tmp_path / "d")
+    with pytest.raises(olmo_chunks.MismatchError, match=r"shares memory with 0\.weight"):
+        olmo_chunks.load(model().state_dict(), tmp_path / "d")
+
+
+def test_loading_into_an_expanded_destination_is_refused(tmp_path):
+    olmo_chunks.save({"w": torch.arange(6.0).reshape(2, 3)}, tmp_path / "c")
+    sd = {"w": torch.zeros(3).expand(2, 3)}
+    with pytest.raises(InvalidArgumentError, match="w: the destination's elements share memory"):
+        olmo_chunks.load(sd, tmp_path / "c")

@@ -1,0 +1,217 @@
+"""Hostile checkpoint directories: symlinked data files and directories, FIFOs and sockets in place
+of data files, absurd dimension counts and block sizes. Each is refused with a precise exception,
+promptly, and nothing outside the checkpoint is read."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import olmo_chunks
+import pytest
+import torch
+from olmo_chunks import _core
+from olmo_chunks.cli import main as cli_main
+from olmo_chunks.errors import (
+    CorruptCheckpointError,
+    CorruptManifestError,
+    InvalidArgumentError,
+    OlmoChunksError,
+    UnsafePathError,
+)
+
+from tests.manifest_bytes import RawManifest, crc32c
+
+MAX_NDIM = 64
+MAX_BLOCK_SIZE = 64 << 20
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}, "step": 3}
+
+
+def zeros() -> dict:
+    return {"model": {"w": torch.zeros(16, 8), "b": torch.zeros(8)}, "step": None}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    olmo_chunks.save(state(), path, block_size=4096)
+    return path
+
+
+def data_file(path: Path) -> Path:
+    ((rel, _),) = _core.Manifest.open(str(path)).files
+    return path / rel
+
+
+def verify(path: Path) -> int:
+    return _core.Manifest.open(str(path)).verify_data()
+
+
+def refused_everywhere(path: Path, cls: type[Exception], match: str, capsys) -> None:
+    """load, `verify_data` and `olmo-chunks verify` all refuse `path` with exactly `cls`."""
+    with pytest.raises(cls, match=match) as info:
+        olmo_chunks.load(zeros(), path)
+    assert type(info.value) is cls
+    with pytest.raises(cls, match=match) as info:
+        verify(path)
+    assert type(info.value) is cls
+    capsys.readouterr()
+    assert cli_main(["verify", str(path)]) == 1
+    assert "error" in capsys.readouterr().err
+
+
+def test_unsafe_path_error_is_a_corrupt_checkpoint_error():
+    assert issubclass(UnsafePathError, CorruptCheckpointError)
+    assert issubclass(UnsafePathError, OlmoChunksError)
+    assert olmo_chunks.UnsafePathError is UnsafePathError
+
+
+def test_symlinked_data_file_with_matching_checksums_is_refused(ckpt: Path, tmp_path: Path, capsys):
+    f = data_file(ckpt)
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(f, outside)  # same bytes: every checksum matches
+    f.unlink()
+    f.symlink_to(outside)
+    refused_everywhere(ckpt, UnsafePathError, "symbolic link", capsys)
+
+
+def test_symlinked_data_directory_is_refused(ckpt: Path, tmp_path: Path, capsys):
+    moved = tmp_path / "elsewhere"
+    (ckpt / "data").rename(moved)
+    (ckpt / "data").symlink_to(moved)
+    refused_everywhere(ckpt, UnsafePathError, r'"data" is a symbolic link', capsys)
+
+
+def test_checkpoint_path_itself_may_be_a_symlink(ckpt: Path, tmp_path: Path):
+    link = tmp_path / "link"
+    link.symlink_to(ckpt)
+    sd = zeros()
+    olmo_chunks.load(sd, link)
+    assert torch.equal(sd["model"]["w"], state()["model"]["w"])
+    assert verify(link) > 0
+    assert cli_main(["verify", str(link)]) == 0
+
+
+def run_with_deadline(fn, seconds: float = 20.0):
+    """Runs `fn` on a daemon thread; returns ("ok", value), ("raised", exc) or ("blocked", None)."""
+    out: list = []
+
+    def target():
+        try:
+            out.append(("ok", fn()))
+        except BaseException as e:
+            out.append(("raised", e))
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0] if out else ("blocked", None)
+
+
+def test_fifo_data_file_is_refused_within_seconds(ckpt: Path):
+    f = data_file(ckpt)
+    f.unlink()
+    os.mkfifo(f)
+    try:
+        for what, fn in [
+            ("verify", lambda: verify(ckpt)),
+            ("load", lambda: olmo_chunks.load(zeros(), ckpt)),
+            ("cli", lambda: cli_main(["verify", str(ckpt)])),
+        ]:
+            status, value = run_with_deadline(fn)
+            assert status != "blocked", f"{what} blocked on a FIFO"
+            if what == "cli":
+                assert (status, value) == ("ok", 1)
+            else:
+                assert status == "raised" and type(value) is UnsafePathError, (what, value)
+                assert "not a regular file (a FIFO)" in str(value)
+    finally:
+        # Release any reader a regression left blocked in open().
+        with contextlib.suppress(OSError):
+            os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_socket_and_directory_data_files_are_refused(ckpt: Path, capsys, monkeypatch):
+    f = data_file(ckpt)
+    f.unlink()
+    monkeypatch.chdir(f.parent)  # socket paths are limited to 108 bytes; bind a relative one
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(f.name)
+        refused_everywhere(ckpt, UnsafePathError, "socket", capsys)
+    f.unlink()
+    f.mkdir()
+    refused_everywhere(ckpt, UnsafePathError, "directory", capsys)
+
+
+def single_tensor_manifest(path: Path, shape: list[int], block_size: int = 4096) -> None:
+    """A hand-built checkpoint: one float32 element, one flat chunk, `shape` (all ones) as given."""
+    data = struct.pack("<f", 1.5)
+    (path / "data" / "x").mkdir(parents=True)
+    (path / "data" / "x" / "a.bin").write_bytes(data)
+    meta = {
+        "format": "olmo-chunks",
+        "version": 1,
+        "save_id": "x",
+        "block_size": block_size,
+        "checksum": "crc32c",
+        "files": [{"path": "data/x/a.bin", "size": len(data)}],
+        "tensors": [
+            {"key": "deep", "dtype": "float32", "shape": shape, "role": "tensor", "order": "row-major", "chunks": 1}
+        ],
+        "entries": {},
+        "info": {},
+    }
+    # kind 1 (flat), file 0, offset 0, nbytes 4, crc_index 0, start 0, len 1
+    table = struct.pack("<B3xIQQQQQ", 1, 0, 0, len(data), 0, 0, 1)
+    raw = RawManifest(1, meta, table, struct.pack("<I", crc32c(data)))
+    (path / olmo_chunks.MANIFEST_NAME).write_bytes(raw.encode())
+
+
+def cli_subprocess(*args: str) -> subprocess.CompletedProcess:
+    # A subprocess, so that a crash (the old stack overflow) fails the test instead of pytest.
+    return subprocess.run([sys.executable, "-m", "olmo_chunks", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_hand_built_manifest_at_the_caps_verifies(tmp_path: Path):
+    single_tensor_manifest(tmp_path, [1] * MAX_NDIM, block_size=MAX_BLOCK_SIZE)
+    assert verify(tmp_path) == 4
+    assert cli_main(["verify", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("ndim", [MAX_NDIM + 1, 30_000])
+def test_too_many_dimensions_are_refused_not_a_crash(tmp_path: Path, ndim: int):
+    single_tensor_manifest(tmp_path, [1] * ndim)
+    with pytest.raises(CorruptManifestError, match=f"{ndim} dimensions; at most {MAX_NDIM}"):
+        _core.Manifest.open(str(tmp_path))
+    out = cli_subprocess("verify", str(tmp_path))
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "corrupt manifest" in out.stderr and "dimensions" in out.stderr
+
+
+def test_huge_block_size_in_a_manifest_is_refused(ckpt: Path):
+    path = ckpt / olmo_chunks.MANIFEST_NAME
+    raw = RawManifest.parse(path.read_bytes())
+    raw.meta["block_size"] = 1 << 30
+    path.write_bytes(raw.encode())
+    with pytest.raises(CorruptManifestError, match="block size"):
+        verify(ckpt)
+    with pytest.raises(CorruptManifestError, match="block size"):
+        olmo_chunks.load(zeros(), ckpt)
+
+
+def test_writer_refuses_block_sizes_above_the_cap(tmp_path: Path):
+    with pytest.raises(InvalidArgumentError, match="block size"):
+        olmo_chunks.save(state(), tmp_path / "big", block_size=MAX_BLOCK_SIZE + 1)
+    olmo_chunks.save(state(), tmp_path / "ok", block_size=MAX_BLOCK_SIZE)
+    assert verify(tmp_path / "ok") > 0
