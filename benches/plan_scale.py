@@ -85,7 +85,7 @@ class LocalShard:
 def build(path: str, ranks: int, tensors: list[tuple[str, tuple[int, int]]], rows: int, cols: int) -> int:
     """Commits a manifest of `tensors` saved on a `rows x cols` grid of `ranks` ranks (one data
     file per rank, as `save` writes); returns the number of chunks."""
-    block = 1 << 30  # one (zero) checksum per chunk
+    block = 64 << 20  # the largest block size: few (zero) checksums per chunk
     fsize = [0] * ranks
     entries = []
     n = 0
@@ -97,7 +97,7 @@ def build(path: str, ranks: int, tensors: list[tuple[str, tuple[int, int]]], row
                 continue
             off = -(-fsize[r] // 64) * 64
             fsize[r] = off + nbytes
-            chunks.append(("box", list(o), list(s), r, off, nbytes, b"\0\0\0\0"))
+            chunks.append(("box", list(o), list(s), r, off, nbytes, bytes(4 * -(-nbytes // block))))
         n += len(chunks)
         entries.append((key, "float32", list(shape), "main_weight", chunks))
     txn = _core.SaveTransaction.begin(path)

@@ -176,6 +176,45 @@ def test_a_dead_rank_fails_every_survivor_in_bounded_time(tmp_path, point, victi
     m.verify_data()
 
 
+def _save_killed_after(rank: int, path: str, victim: int, delay: float, mark: str) -> str:
+    import threading
+
+    def kill() -> None:
+        Path(mark).write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    sd = full_state(rank, 4, 2)
+    if rank == victim:
+        threading.Timer(delay, kill).start()
+    olmo_chunks.save(sd, path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    if rank == victim:
+        time.sleep(5)  # the kill lands, whether the save finished first or not
+    return "done"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_rank_killed_at_a_random_moment_of_a_save(tmp_path, seed):
+    import random
+
+    rng = random.Random(seed)
+    victim, delay = rng.randrange(4), rng.uniform(0.0, 0.6)
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
+    mark = str(tmp_path / "died")
+    results = run_raw(4, _save_killed_after, path, victim, delay, mark, timeout=90)
+    assert results[victim] is None, results
+    died = float(Path(mark).read_text())
+    survivors = [res for r, res in enumerate(results) if r != victim]
+    if all(res[:2] == ("ok", "done") for res in survivors):
+        assert holds(path, 2, 4)  # it died after the commit
+    else:
+        for res in survivors:
+            assert res[0] == "err" and res[1].startswith("RankFailedError") and f"rank {victim}" in res[1], res
+            assert res[2] - died < PEER_TIMEOUT + 6, res
+        assert holds(path, 1, 4) or holds(path, 2, 4)  # the kill may come after the commit's rename
+    _core.Manifest.open(path).verify_data()
+
+
 def _interrupt(rank: int, path: str, victim: int) -> str:
     if rank == victim:
         from olmo_chunks import checkpoint
@@ -417,3 +456,40 @@ def test_loading_into_an_expanded_destination_is_refused(tmp_path):
     sd = {"w": torch.zeros(3).expand(2, 3)}
     with pytest.raises(InvalidArgumentError, match="w: the destination's elements share memory"):
         olmo_chunks.load(sd, tmp_path / "c")
+
+
+def _dcp_step_and_maybe_die(rank: int, path: str, step: str, victim: int, mark: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from olmo_chunks import dcp as door
+
+    if rank == victim:
+        def kill(*a: Any, **k: Any) -> None:
+            Path(mark).write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if step == "save":
+            door._write = kill
+        else:
+            door.ChunkStoreReader._read_items = kill
+    sd = full_state(rank, 4, 2)
+    if step == "save":
+        dcp.save(sd, storage_writer=door.ChunkStoreWriter(path, peer_timeout=PEER_TIMEOUT))
+    else:
+        dcp.load(sd, storage_reader=door.ChunkStoreReader(path, peer_timeout=PEER_TIMEOUT))
+    return "done"
+
+
+@pytest.mark.parametrize(("step", "victim"), [("save", 2), ("load", 1)])
+def test_a_dead_rank_never_hangs_the_dcp_door(tmp_path, step, victim):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
+    mark = str(tmp_path / "died")
+    results = run_raw(4, _dcp_step_and_maybe_die, path, step, victim, mark, timeout=90)
+    assert results[victim] is None, results
+    died = float(Path(mark).read_text())
+    for r, res in enumerate(results):
+        if r != victim:
+            assert res[0] == "err", (r, res)
+            # DCP's own collective after our step fails too, bounded by min(peer_timeout, 10 s).
+            assert res[2] - died < 2 * PEER_TIMEOUT + 8, (r, res[2] - died, res)
+    assert holds(path, 1, 4)

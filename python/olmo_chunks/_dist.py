@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "Group"]
+__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives"]
 
 # Seconds without a heartbeat after which a peer counts as dead.
-DEFAULT_PEER_TIMEOUT = 60.0
+DEFAULT_PEER_TIMEOUT = 45.0
 # Longest a waiting rank blocks in the store before it looks at its peers' heartbeats.
 _POLL = 0.5
 
@@ -149,17 +149,17 @@ class Group:
     def _root_side(self, key: str, mine: Any, failure: BaseException | None,
                    root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
         if failure is not None:
-            self._publish(key, ("fail", f"rank 0 failed: {_describe(failure)}"))
+            self._publish(key, ("fail", (f"rank 0 failed: {_describe(failure)}", 0, False)))
             raise failure
         results: list[Any] = [mine] + [None] * (self.size - 1)
         gather = self._gather(key)
         try:
             for r, (status, payload) in gather:
                 if status == "fail":
-                    raise RankFailedError(f"rank {r} failed: {payload}")
+                    raise RankFailedError(f"rank {r} failed: {payload}", rank=r)
                 results[r] = payload
         except RankFailedError as exc:
-            self._publish(key, ("fail", str(exc)))
+            self._publish(key, ("fail", (str(exc), exc.rank, exc.dead)))
             # Hear out the ranks still working (or their death), so that what the caller cleans up
             # after this failure is not written to again.
             with contextlib.suppress(RankFailedError):
@@ -188,7 +188,8 @@ class Group:
         self._wait_for([out_key], {0: out_key})
         status, payload = pickle.loads(self.store.get(out_key))
         if status == "fail":
-            raise RankFailedError(payload)
+            msg, rank, dead = payload
+            raise RankFailedError(msg, rank=rank, dead=dead)
         if scatter:
             mine_key = f"{out_key}/{self.rank}"
             payload = pickle.loads(self.store.get(mine_key))
@@ -204,9 +205,9 @@ class Group:
         msg = f"rank {self.rank} failed: {_describe(exc)}"
         with contextlib.suppress(Exception):
             if self.rank == 0:
-                self._publish(key, ("fail", msg))
+                self._publish(key, ("fail", (msg, 0, False)))
             else:
-                self.store.set(f"{self.prefix}/abort", pickle.dumps(msg))
+                self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, self.rank)))
 
     def _gather(self, key: str):
         """Yields `(rank, message)` of every other rank as the messages arrive (a failure as soon
@@ -234,7 +235,8 @@ class Group:
                 if "timeout" not in str(exc).lower():
                     raise
             if self.rank == 0 and self.store.check([f"{self.prefix}/abort"]):
-                raise RankFailedError(pickle.loads(self.store.get(f"{self.prefix}/abort")))
+                msg, rank = pickle.loads(self.store.get(f"{self.prefix}/abort"))
+                raise RankFailedError(msg, rank=rank)
             now = time.monotonic()
             for r, k in watched.items():
                 if self.store.check([k]):
@@ -249,5 +251,17 @@ class Group:
                 if now - since > self.peer_timeout:
                     raise RankFailedError(
                         f"rank {r} stopped responding: no heartbeat for {now - since:.0f} s "
-                        f"(peer_timeout={self.peer_timeout:g} s); it died or hung"
+                        f"(peer_timeout={self.peer_timeout:g} s); it died or hung",
+                        rank=r,
+                        dead=True,
                     )
+
+
+def bound_collectives(process_group: dist.ProcessGroup | None, seconds: float) -> None:
+    """After a peer died: makes collectives that others (torch DCP) still run on `process_group`
+    fail after `seconds` instead of the group's own timeout (30 min by default). The group is
+    broken anyway; best effort where torch lacks the hook."""
+    set_timeout = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        with contextlib.suppress(Exception):
+            set_timeout(timedelta(seconds=seconds), process_group)

@@ -350,7 +350,8 @@ def _save_step(method: str, held: _Held | None, path: str, raw_file: tuple[str, 
     if method == "native":
         return timed(lambda: checkpoint.save(held.native, path, process_group=group, overwrite=True))
     if method == "ours-dcp":
-        return timed(lambda: dcp.save(held.dcp, storage_writer=ChunkStoreWriter(path), process_group=group))
+        return timed(lambda: dcp.save(held.dcp, storage_writer=ChunkStoreWriter(path, process_group=group),
+                                      process_group=group))
     t = int(method.split("=")[1])
     return timed(lambda: dcp.save(held.dcp, storage_writer=FileSystemWriter(path, thread_count=t),
                                   process_group=group))
@@ -401,7 +402,7 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
         verify = method == "native"
         return timed(lambda: checkpoint.load(held.native, path, process_group=group, verify=verify))
     if method == "ours-dcp":
-        return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path),
+        return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path, process_group=group),
                                       planner=FastLoadPlanner(), process_group=group))
     return timed(lambda: dcp.load(held.dcp, storage_reader=FileSystemReader(path), process_group=group))
 

@@ -366,7 +366,7 @@ def load(
         bad = set(report.missing) | {m.split(":", 1)[0] for m in report.mismatched}
         wanted = [(key, s) for key, s in shards.items() if key not in bad]
         for key, s in wanted:
-            if not is_dense(s.local):
+            if s.local.numel() and not is_dense(s.local):
                 raise InvalidArgumentError(f"{key}: the destination's elements share memory (an expanded or "
                                            "self-overlapping view); load into a tensor with memory of its own")
         _load_tensors(manifest, saved, wanted, verify, workers)

@@ -28,12 +28,13 @@ import contextlib
 import dataclasses
 import errno
 import io
+import logging
 import os
 import pickle
 import stat
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from . import _core, values
+from ._dist import DEFAULT_PEER_TIMEOUT, Group, bound_collectives
 from .checkpoint import _write, commit_manifest
 from .cli import register
 from .errors import (
@@ -73,6 +75,7 @@ from .errors import (
     MismatchError,
     MissingDataFileError,
     OlmoChunksError,
+    RankFailedError,
     StorageError,
     TruncatedDataError,
     UnsafePathError,
@@ -82,6 +85,8 @@ from .roles import resolve_role
 from .shards import dtype_name, is_dense, torch_dtype
 
 __all__ = ["ChunkStoreReader", "ChunkStoreWriter", "FastLoadPlanner", "import_dcp"]
+
+log = logging.getLogger(__name__)
 
 try:  # private helper, present in every supported torch; keeps chunk lists identical to DCP's
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
@@ -240,6 +245,8 @@ class ChunkStoreWriter(StorageWriter):
         cache_staged_state_dict: bool = False,
         _extensions: Iterable[Any] | None = None,
         serialization_format: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
     ) -> None:
         super().__init__()
         if _extensions:
@@ -269,6 +276,8 @@ class ChunkStoreWriter(StorageWriter):
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict
+        self.process_group = process_group
+        self.peer_timeout = peer_timeout
         self.save_id: str | None = None
         self.is_coordinator = False
         self._txn: _core.SaveTransaction | None = None  # the coordinator's save, begun at global planning
@@ -296,6 +305,7 @@ class ChunkStoreWriter(StorageWriter):
             raise InvalidArgumentError(
                 "ChunkStoreWriter commits one manifest for all ranks and needs use_collectives=True"
             )
+        _check_group(self.process_group, kwargs.get("rank"), "ChunkStoreWriter")
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path) if self.path else None, save_id=self.save_id)
@@ -309,11 +319,22 @@ class ChunkStoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.path is not None
         self._abort()
-        self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite)
+        _check_group(self.process_group, None, "ChunkStoreWriter", len(plans))
+        self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite, self.peer_timeout)
         save_id = self._txn.save_id
         return [dataclasses.replace(p, storage_data=_PlanStorage(save_id, i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = _data_step(self.process_group, self.peer_timeout, lambda: self._write_items(plan, planner))
+        except BaseException:
+            self._abort()  # the coordinator's: every rank has stopped writing by now
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_items(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         assert self.path is not None
         storage = plan.storage_data
         if not isinstance(storage, _PlanStorage):
@@ -368,9 +389,7 @@ class ChunkStoreWriter(StorageWriter):
                     storage_data=_ChunkWritten(region, fname, fsize, offset, nbytes, crcs),
                 )
             )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.path is not None
@@ -467,6 +486,8 @@ class ChunkStoreReader(StorageReader):
         verify: bool = True,
         workers: int | None = None,
         _extension_registry: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
     ) -> None:
         super().__init__()
         if _extension_registry is not None:
@@ -477,6 +498,8 @@ class ChunkStoreReader(StorageReader):
         self.path = Path(path) if path is not None else None
         self.verify = verify
         self.workers = workers
+        self.process_group = process_group
+        self.peer_timeout = peer_timeout
         self.load_id = uuid.uuid4().hex
         self._manifest: _core.Manifest | None = None
         self._tensors: dict[str, tuple[int, torch.dtype]] = {}
@@ -548,6 +571,7 @@ class ChunkStoreReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         m = self._open()
+        _check_group(self.process_group, kwargs.get("rank"), "ChunkStoreReader")
         sd = metadata.storage_data
         if isinstance(sd, Mapping) and sd.get("save_id") not in (None, m.save_id):
             raise InvalidArgumentError(
@@ -558,9 +582,16 @@ class ChunkStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        _check_group(self.process_group, None, "ChunkStoreReader", len(plans))
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        _data_step(self.process_group, self.peer_timeout, lambda: self._read_items(plan, planner))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         m = self._open()
         targets: list[tuple[int, list, int]] = []
         buffers: list[tuple[int, int]] = []
@@ -625,13 +656,37 @@ class ChunkStoreReader(StorageReader):
                 torch.save(self._values[fqn], buf)  # serialised here from JSON data, never read from disk
                 buf.seek(0)
                 planner.load_bytes(item, buf)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return _is_local_path(checkpoint_id) and (Path(checkpoint_id) / _core.MANIFEST_NAME).is_file()
+
+
+def _check_group(process_group: dist.ProcessGroup | None, rank: int | None, who: str,
+                 size: int | None = None) -> None:
+    """Refuses a DCP call on a process group other than the one the writer or reader was given
+    (its ranks coordinate on that group)."""
+    if not dist.is_initialized():
+        return
+    mine = (dist.get_rank(process_group), dist.get_world_size(process_group))
+    if (rank is not None and rank != mine[0]) or (size is not None and size != mine[1]):
+        raise InvalidArgumentError(
+            f"{who}: DCP runs on another process group than this {who}'s; pass the process_group given "
+            f"to dcp to {who}(..., process_group=...) too"
+        )
+
+
+def _data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[[], Any]) -> Any:
+    """Runs this rank's part of a DCP data step so that a failure on any rank, a dead one included
+    (no heartbeat for `peer_timeout`), is known to every rank before DCP's next collective; after a
+    death that collective is bounded too, where DCP alone would wait for the group's timeout."""
+    try:
+        return Group(process_group, peer_timeout).agree(fn)
+    except RankFailedError as exc:
+        if exc.dead:
+            bound_collectives(process_group, min(peer_timeout, 10.0))
+        log.error("olmo-chunks: %s", exc)
+        raise
 
 
 def _direct(dest: torch.Tensor, saved_dtype: torch.dtype) -> bool:

@@ -93,7 +93,20 @@ class ConversionError(MismatchError):
 
 
 class RankFailedError(OlmoChunksError):
-    """Another rank of the process group failed during a collective save or load."""
+    """Another rank of the process group failed during a collective save or load. `rank` is that
+    rank (when known); `dead` says it stopped responding rather than reporting an error."""
+
+    def __init__(self, message: str, *, rank: int | None = None, dead: bool = False) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.dead = dead
+
+    def __reduce__(self) -> tuple:  # keeps `rank` and `dead` through pickling
+        return (_rank_failed, (str(self), self.rank, self.dead))
+
+
+def _rank_failed(message: str, rank: int | None, dead: bool) -> RankFailedError:
+    return RankFailedError(message, rank=rank, dead=dead)
 
 
 class CheckpointExistsError(InvalidArgumentError):

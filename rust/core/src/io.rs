@@ -200,6 +200,22 @@ struct Unit<'a> {
     parts: Vec<(u64, &'a mut [u8])>,
 }
 
+/// Fails with `Truncated` if chunk `c` does not fit in its data file of `size` bytes.
+fn check_extent(m: &Manifest, c: usize, path: &Path, size: u64) -> Result<()> {
+    let ch = &m.chunks[c];
+    if ch.offset + ch.len <= size {
+        return Ok(());
+    }
+    let (key, chunk) = chunk_name(m, c);
+    Err(CoreError::Truncated {
+        path: path.to_path_buf(),
+        key,
+        chunk,
+        needed: ch.offset + ch.len,
+        size,
+    })
+}
+
 /// Names the tensor and chunk-in-tensor of manifest chunk `c`, for errors.
 fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
     let t = m.chunk_start.partition_point(|&s| s <= c) - 1;
@@ -261,16 +277,7 @@ pub fn read_into(
             *slot = Some((f, path, size));
         }
         let (_, path, size) = slot.as_ref().unwrap();
-        if ch.offset + ch.len > *size {
-            let (key, chunk) = chunk_name(m, c.chunk);
-            return Err(CoreError::Truncated {
-                path: path.clone(),
-                key,
-                chunk,
-                needed: ch.offset + ch.len,
-                size: *size,
-            });
-        }
+        check_extent(m, c.chunk, path, *size)?;
     }
     let units = make_units(m, &copies, slices);
     let job = |u: Unit<'_>| -> Result<()> {
@@ -543,16 +550,7 @@ pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
     // by bytes that exist, not by sizes a manifest merely claims.
     for (c, ch) in m.chunks.iter().enumerate() {
         let (_, path, size) = &files[ch.file as usize];
-        if ch.offset + ch.len > *size {
-            let (key, chunk) = chunk_name(m, c);
-            return Err(CoreError::Truncated {
-                path: path.clone(),
-                key,
-                chunk,
-                needed: ch.offset + ch.len,
-                size: *size,
-            });
-        }
+        check_extent(m, c, path, *size)?;
     }
     let unit_max = MAX_UNIT.next_multiple_of(m.block_size);
     let mut work = Vec::new();

@@ -178,7 +178,7 @@ impl Heartbeat {
             .spawn(move || loop {
                 let (lock, cv) = &*s;
                 let guard = lock.lock().unwrap();
-                let (guard, _) = cv.wait_timeout(guard, every).unwrap();
+                let (guard, _) = cv.wait_timeout_while(guard, every, |stop| !*stop).unwrap();
                 if *guard {
                     return;
                 }

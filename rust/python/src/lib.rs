@@ -409,7 +409,7 @@ struct PySaveTransaction {
 impl PySaveTransaction {
     /// Takes the lease of checkpoint directory `path` (created if missing) for a new save.
     #[staticmethod]
-    #[pyo3(signature = (path, overwrite=false, lease_timeout=60.0))]
+    #[pyo3(signature = (path, overwrite=false, lease_timeout=45.0))]
     fn begin(py: Python<'_>, path: PathBuf, overwrite: bool, lease_timeout: f64) -> PyResult<Self> {
         let lease_timeout =
             std::time::Duration::try_from_secs_f64(lease_timeout).map_err(|_| {
