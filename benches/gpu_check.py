@@ -103,8 +103,8 @@ def _shard_cols(n: int, parts: int, j: int) -> tuple[int, int]:
 
 def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
     import olmo_chunks as oc
-    from olmo_chunks.compute_weights import compute_weights
     from olmo_chunks.experts import ExpertLayout
+    from olmo_chunks.weights import compute_weights
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 

@@ -130,7 +130,7 @@ def main() -> int:
         return 0
 
     import olmo_chunks as oc
-    from olmo_chunks.compute_weights import compute_weights
+    from olmo_chunks.weights import compute_weights
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -86,24 +86,24 @@ def build(path: str, ranks: int, tensors: list[tuple[str, tuple[int, int]]], row
     """Commits a manifest of `tensors` saved on a `rows x cols` grid of `ranks` ranks (one data
     file per rank, as `save` writes); returns the number of chunks."""
     block = 64 << 20  # the largest block size: few (zero) checksums per chunk
+    txn = _core.SaveTransaction.begin(path)
     fsize = [0] * ranks
-    entries = []
-    n = 0
+    placed = []
     for key, shape in tensors:
-        chunks = []
         for r, (o, s) in enumerate(grid_boxes(shape, rows, cols)):
             nbytes = 4 * s[0] * s[1]
-            if not nbytes:
-                continue
-            off = -(-fsize[r] // 64) * 64
-            fsize[r] = off + nbytes
-            chunks.append(("box", list(o), list(s), r, off, nbytes, bytes(4 * -(-nbytes // block))))
-        n += len(chunks)
-        entries.append((key, "float32", list(shape), "main_weight", chunks))
-    txn = _core.SaveTransaction.begin(path)
-    files = [(f"data/{txn.save_id}/rank-{r:05d}.bin", fsize[r]) for r in range(ranks)]
-    txn.commit(block, files, entries, "{}", json.dumps({"simulated": True}))
-    return n
+            if nbytes:
+                off = -(-fsize[r] // 64) * 64
+                fsize[r] = off + nbytes
+                placed.append((key, list(o), list(s), r, off, nbytes))
+    chunks = [
+        _core.WrittenChunk(key, "box", o, s, f"data/{txn.save_id}/rank-{r:05d}.bin", fsize[r], off, nbytes,
+                           [0] * -(-nbytes // block))
+        for key, o, s, r, off, nbytes in placed
+    ]
+    schema = [_core.TensorSchema(key, "float32", list(shape), "main_weight") for key, shape in tensors]
+    txn.commit(block, schema, chunks, "{}", json.dumps({"simulated": True}))
+    return len(chunks)
 
 
 def best(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:

@@ -27,9 +27,9 @@ import olmo_chunks as oc
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from olmo_chunks.compute_weights import dtensor_weight, expert_weight
 from olmo_chunks.experts import ExpertLayout, chunk_range
 from olmo_chunks.trainer_state import TrainerState, load_trainer_state
+from olmo_chunks.weights import dtensor_weight, expert_weight
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project virtual env and build the native extension into it.
 # Source this file: it exports VENV and puts it first on PATH.
-# The env lives outside the clone, keyed by a hash of requirements-dev.txt, so repeated runs and CI
-# reuse the ~3 GB torch install while the requirements stay the same.
+# The env lives outside the clone, keyed by a hash of requirements-dev.txt and requirements-lock.txt
+# (exact pins, used as pip constraints), so repeated runs and CI reuse the ~3 GB torch install while
+# the requirements and pins stay the same, and a change of pins makes a new env.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-HASH="$( (cat "$ROOT/requirements-dev.txt"; python3 -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-16)"
+HASH="$( (cat "$ROOT/requirements-dev.txt" "$ROOT/requirements-lock.txt"; python3 -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-16)"
 VENV="${OLMO_CHUNKS_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/olmo-chunks/venv-$HASH}"
 if [ ! -f "$VENV/.complete" ]; then
-    echo "[setup] creating $VENV (first run downloads torch, ~3 GB)" >&2
-    rm -rf "$VENV"
-    python3 -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements-dev.txt"
-    touch "$VENV/.complete"
+    mkdir -p "$(dirname "$VENV")"
+    # One creator at a time (flock where available): a concurrent run waits, then reuses the env.
+    (
+        if command -v flock >/dev/null; then flock 9; fi
+        if [ ! -f "$VENV/.complete" ]; then
+            echo "[setup] creating $VENV (first run downloads torch, ~3 GB)" >&2
+            rm -rf "$VENV"
+            python3 -m venv "$VENV"
+            "$VENV/bin/python" -m pip install -q --upgrade pip -c "$ROOT/requirements-lock.txt"
+            "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements-dev.txt" -c "$ROOT/requirements-lock.txt"
+            touch "$VENV/.complete"
+        fi
+    ) 9>"$VENV.lock"
 else
     echo "[setup] reusing $VENV" >&2
 fi

@@ -4,9 +4,9 @@ with gloo collectives on real worlds, cast before any traffic."""
 import pytest
 import torch
 import torch.distributed as dist
-from olmo_chunks.compute_weights import compute_weights, dtensor_weight, expert_weight, full_weight
 from olmo_chunks.errors import InvalidArgumentError
 from olmo_chunks.experts import ExpertLayout
+from olmo_chunks.weights import compute_weights, dtensor_weight, expert_weight, full_weight
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 

@@ -26,9 +26,9 @@ def _save_and_record_writer_pointers(path, sharded):
     handed = []
     original = _core.write_chunks
 
-    def recording(dir, rel_paths, items, *args, **kwargs):
-        handed.extend((ptr, nbytes) for _, ptr, nbytes in items)
-        return original(dir, rel_paths, items, *args, **kwargs)
+    def recording(dir, rel_path, items, *args, **kwargs):
+        handed.extend((ptr, nbytes) for *_, ptr, nbytes in items)
+        return original(dir, rel_path, items, *args, **kwargs)
 
     _core.write_chunks = recording
     try:

@@ -130,8 +130,8 @@ def _die_at(point: str, victim: int, rank: int, mark: str) -> None:
     elif point == "commit":
         checkpoint.commit_manifest = lambda *a, **k: kill()
     elif point == "load":
-        orig = checkpoint._load_tensors
-        checkpoint._load_tensors = lambda *a, **k: (kill(), orig(*a, **k))
+        orig = checkpoint.fill
+        checkpoint.fill = lambda *a, **k: (kill(), orig(*a, **k))
     elif point == "exchange":
         orig_ex = _dist.Group.exchange
         _dist.Group.exchange = lambda self, *a, **k: (kill(), orig_ex(self, *a, **k))[1]

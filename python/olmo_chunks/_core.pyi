@@ -1,5 +1,7 @@
 """Native core of olmo-chunks (Rust). Private: use `olmo_chunks.save` / `load` and the CLI."""
 
+from collections.abc import Callable
+
 FORMAT_VERSION: int
 MANIFEST_NAME: str
 DEFAULT_BLOCK_SIZE: int
@@ -29,7 +31,7 @@ class Manifest:
     def info_json(self) -> str: ...
     def chunks(self, t: int) -> list[tuple[str, list[int], list[int], int, int, int]]: ...
     def check_coverage(self) -> None: ...
-    def verify_data(self, workers: int | None = None) -> int: ...
+    def verify_data(self, workers: int | None = None, progress: Callable[[int], object] | None = None) -> int: ...
     def plan_runs(self, targets: list[tuple[int, list[Piece]]]) -> list[tuple[int, int, int, int, int]]: ...
     def load(
         self,
@@ -43,13 +45,48 @@ def flat_pieces(shape: list[int], start: int, len: int) -> list[Piece]: ...
 def box_overlaps(
     tensors: list[tuple[int, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]],
 ) -> list[list[tuple[int, int, list[int], list[int]]]]: ...
+class TensorSchema:
+    """A global tensor as a save describes it."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    role: str
+    def __init__(self, key: str, dtype: str, shape: list[int], role: str) -> None: ...
+
+class WrittenChunk:
+    """One chunk a rank wrote: its region of tensor `key` and where its bytes lie (picklable)."""
+
+    key: str
+    kind: str
+    offsets: list[int]
+    sizes: list[int]
+    file: str
+    file_size: int
+    offset: int
+    nbytes: int
+    checksums: list[int]
+    def __init__(
+        self,
+        key: str,
+        kind: str,
+        offsets: list[int],
+        sizes: list[int],
+        file: str,
+        file_size: int,
+        offset: int,
+        nbytes: int,
+        checksums: list[int],
+    ) -> None: ...
+
 def write_chunks(
     dir: str,
-    rel_paths: list[str],
-    items: list[tuple[int, int, int]],
+    rel_path: str,
+    items: list[tuple[str, str, list[int], list[int], int, int]],
     block_size: int,
     workers: int | None = None,
-) -> tuple[list[tuple[int, int, int, bytes]], list[tuple[str, int]]]: ...
+) -> list[WrittenChunk]: ...
+
 class SaveTransaction:
     """One save into a checkpoint directory: its lease, the save id, then commit or abort."""
 
@@ -60,8 +97,8 @@ class SaveTransaction:
     def commit(
         self,
         block_size: int,
-        files: list[tuple[str, int]],
-        tensors: list[tuple[str, str, list[int], str, list[tuple[str, list[int], list[int], int, int, int, bytes]]]],
+        tensors: list[TensorSchema],
+        chunks: list[WrittenChunk],
         entries_json: str,
         info_json: str,
     ) -> Manifest: ...

@@ -36,8 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .cli import register
-
 __all__ = [
     "PAIRS",
     "Layout",
@@ -657,7 +655,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of every load")
 
 
-@register("bench", "save and resharded-load throughput against torch DCP and the raw I/O roofline", configure)
 def main(args: argparse.Namespace) -> int:
     opts = Options(
         size_bytes=int(args.size_gb * 2**30),

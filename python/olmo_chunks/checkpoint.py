@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,14 +19,15 @@ import torch.distributed as dist
 from . import _core, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError
+from .fill import STAGING_BYTES, Fill, fill
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import Leaf, flatten
 
 __all__ = ["LoadReport", "load", "local_path", "save"]
 
-# Host memory used at a time to stage accelerator tensors through pinned buffers.
-STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
+log = logging.getLogger(__name__)
+
 
 
 def local_path(path: str | os.PathLike[str]) -> Path:
@@ -68,12 +71,12 @@ def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None) -> d
 
 
 def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
-           block_size: int, workers: int | None) -> list[tuple]:
-    """Writes this rank's chunks; returns `(key, region, file, offset, nbytes, checksums)` each.
+           block_size: int, workers: int | None) -> list[_core.WrittenChunk]:
+    """Writes this rank's chunks `(key, region, data)`; returns where each went.
 
     CPU tensors are written from their own memory. Accelerator tensors go through pinned host
     buffers of at most STAGING_BYTES at a time, one data file per batch."""
-    out: list[tuple] = []
+    out: list[_core.WrittenChunk] = []
     batches: list[list[tuple[str, tuple, torch.Tensor]]] = [[]]
     staged = 0
     for item in chunks:
@@ -98,11 +101,9 @@ def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, t
         if any(t.device.type != "cpu" for _, _, t in batch):
             torch.cuda.synchronize()
         name = f"data/{save_id}/rank-{rank:05d}" + (f"-{b:03d}" if b else "") + ".bin"
-        items = [(0, d.data_ptr(), d.numel() * d.element_size()) for d in datas]
-        written, files = _core.write_chunks(str(path), [name], items, block_size, workers)
-        (fname, fsize), = files
-        for (key, region, _), (_, offset, nbytes, crcs) in zip(batch, written, strict=True):
-            out.append((key, region, fname, fsize, offset, nbytes, bytes(crcs)))
+        items = [(key, kind, list(a), list(b), d.data_ptr(), d.numel() * d.element_size())
+                 for (key, (kind, a, b), _), d in zip(batch, datas, strict=True)]
+        out.extend(_core.write_chunks(str(path), name, items, block_size, workers))
         del datas
     return out
 
@@ -143,25 +144,16 @@ def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dic
 
 
 def commit_manifest(txn: _core.SaveTransaction, block_size: int, schema: Mapping[str, tuple],
-                    all_written: list[list[tuple]], entries: Mapping[str, Any],
+                    chunks: Iterable[_core.WrittenChunk], entries: Mapping[str, Any],
                     info: Mapping[str, Any]) -> _core.Manifest:
-    """Commits the manifest of save `txn`: `schema` maps every key to `(dtype, shape, role)`,
-    `all_written` holds each rank's `_write` results, `entries` the encoded plain values, `info`
-    free-form information (creation time and torch version are added)."""
-    files: dict[str, int] = {}
-    file_sizes: dict[str, int] = {}
-    per_key: dict[str, list] = {k: [] for k in schema}
-    for rank_written in all_written:
-        for key, (kind, a, b), fname, fsize, offset, nbytes, crcs in rank_written:
-            fi = files.setdefault(fname, len(files))
-            file_sizes[fname] = fsize
-            per_key[key].append((kind, list(a), list(b), fi, offset, nbytes, crcs))
-    tensor_list = [(k, *schema[k][:3], per_key[k]) for k in sorted(schema)]
+    """Commits save `txn`: `schema` maps every key to `(dtype, shape, role)`, `chunks` is what the
+    ranks wrote, `entries` the encoded plain values, `info` free-form information (creation time
+    and torch version are added). The core assembles, checks and commits the manifest."""
     meta_info = {"created_unix": time.time(), "torch": torch.__version__, **info}
     return txn.commit(
         block_size,
-        [(f, file_sizes[f]) for f in files],
-        tensor_list,
+        [_core.TensorSchema(key, *schema[key]) for key in schema],
+        list(chunks),
         json.dumps(entries, allow_nan=False),
         json.dumps(values.encode(meta_info, "info"), allow_nan=False),
     )
@@ -192,6 +184,7 @@ def save(
     racing another one to the same path fails with `CheckpointLockedError`. A failure on any rank,
     or a rank silent for `peer_timeout` seconds, raises on every rank.
     """
+    t0 = time.perf_counter()
     group = Group(process_group, peer_timeout)
     target = local_path(path)
     local: dict[str, Any] = {}
@@ -213,12 +206,13 @@ def save(
         txn = root["txn"] = _core.SaveTransaction.begin(str(target), overwrite, peer_timeout)
         return [(txn.save_id, mine) for mine in assign]
 
-    def write() -> list[tuple]:
+    def write() -> list[_core.WrittenChunk]:
         chunks = [local["chunks"][i] for i in mine]
         return _write(target, save_id, group.rank, chunks, block_size, workers)
 
-    def commit(all_written: list[list[tuple]]) -> None:
-        commit_manifest(root["txn"], block_size, root["schema"], all_written, root["entries"],
+    def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
+        root["nbytes"] = sum(c.nbytes for written in all_written for c in written)
+        commit_manifest(root["txn"], block_size, root["schema"], itertools.chain(*all_written), root["entries"],
                         {"writer": "olmo_chunks", "world_size": group.size, **(dict(info) if info else {})})
 
     try:
@@ -227,80 +221,8 @@ def save(
     finally:
         if "txn" in root:
             root["txn"].abort()  # a no-op after the commit
-
-
-def _stage_needed(local: torch.Tensor) -> bool:
-    """True when `local` cannot take bytes directly: not on the CPU."""
-    return local.device.type != "cpu"
-
-
-def _extent_bytes(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
-
-
-def _load_tensors(manifest: _core.Manifest, saved: dict, wanted: list[tuple[str, TensorShard]],
-                  verify: bool, workers: int | None) -> None:
-    """Fills the wanted shards: CPU tensors that can take bytes directly in one batch, the rest
-    through CPU staging buffers in batches of at most STAGING_BYTES (pinned for CUDA). Keys whose
-    memory overlaps another's (tied weights) are filled once, then checked against the checkpoint."""
-    wanted, tied = _untie(wanted)
-    direct, staged = [], []
-    for key, s in wanted:
-        (direct if _stage_needed(s.local) is False else staged).append((key, s))
-    batches = [direct] if direct else []
-    size = STAGING_BYTES
-    for item in staged:
-        nbytes = item[1].local.numel() * item[1].local.element_size()
-        if not batches or size + nbytes > STAGING_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += nbytes
-    for batch in batches:
-        targets, buffers, copies_back = [], [], []
-        for key, s in batch:
-            dest = s.local
-            if _stage_needed(s.local):
-                dest = torch.empty(tuple(s.local.shape), dtype=s.local.dtype, pin_memory=s.local.is_cuda)
-                copies_back.append((s.local, dest))
-            pieces = s.core_pieces(dest)
-            if pieces:
-                targets.append((saved[key][0], pieces, len(buffers)))
-                buffers.append((dest.data_ptr(), _extent_bytes(dest)))
-        manifest.load(targets, buffers, verify=verify, workers=workers)
-        for local, stage in copies_back:
-            local.copy_(stage, non_blocking=stage.is_pinned())
-        if any(local.is_cuda for local, _ in copies_back):
-            torch.cuda.synchronize()
-    for key, s, first in tied:
-        held = torch.empty(tuple(s.local.shape), dtype=s.local.dtype)
-        manifest.load([(saved[key][0], s.core_pieces(held), 0)], [(held.data_ptr(), _extent_bytes(held))],
-                      verify=verify, workers=workers)
-        now = s.local.detach().cpu().contiguous()
-        if not torch.equal(held.reshape(-1).view(torch.uint8), now.reshape(-1).view(torch.uint8)):
-            raise MismatchError([f"{key}: shares memory with {first} in the state dict, but the checkpoint "
-                                 "holds different values for them"], header="cannot load tied tensors")
-
-
-def _untie(wanted: list[tuple[str, TensorShard]]) -> tuple[list, list[tuple[str, TensorShard, str]]]:
-    """Splits off the keys whose local memory overlaps an earlier key's, each with that key."""
-    spans = []
-    for key, s in wanted:
-        start = s.local.data_ptr()
-        spans.append((str(s.local.device), start, start + _extent_bytes(s.local), key, s))
-    spans.sort(key=lambda x: x[:2])
-    free, tied = [], []
-    reach: tuple[str, int, str] = ("", 0, "")  # device, furthest end so far, the key that reaches it
-    for dev, start, end, key, s in spans:
-        if end > start and dev == reach[0] and start < reach[1]:
-            tied.append((key, s, reach[2]))
-            continue
-        free.append((key, s))
-        if dev != reach[0] or end > reach[1]:
-            reach = (dev, end, key)
-    return free, tied
+    if group.rank == 0:
+        _log_summary("saved", root["nbytes"], "to", target, t0, f"{group.size} rank{'s' * (group.size > 1)}")
 
 
 def load(
@@ -328,9 +250,12 @@ def load(
     is still checked as above. A failure on any rank, or a rank silent for `peer_timeout`
     seconds, raises on every rank.
     """
+    t0 = time.perf_counter()
     group = Group(process_group, peer_timeout)
+    nbytes = 0
 
     def run() -> LoadReport:
+        nonlocal nbytes
         manifest = _core.Manifest.open(str(local_path(path)))
         leaves = flatten(state_dict)
         shards = _describe_all(leaves, roles)
@@ -355,7 +280,13 @@ def load(
                 report.missing.append(key) if key not in saved else report.mismatched.append(
                     f"{key}: a plain value here, a tensor in the checkpoint")
         if not partial:
-            report.unexpected = sorted(k for k in (saved.keys() | entries.keys()) if k not in leaves)
+            from .trainer_state import RNG_PREFIX  # lazy: trainer_state imports this module
+
+            # Per-rank RNG states belong to the trainer state (`load_trainer_state` restores them)
+            # and each rank holds only its own: the other ranks' are not unexpected here.
+            report.unexpected = sorted(
+                k for k in (saved.keys() | entries.keys()) if k not in leaves and not k.startswith(RNG_PREFIX)
+            )
         if strict and not report.ok:
             raise MismatchError(
                 [f"{k}: missing from the checkpoint" for k in report.missing]
@@ -369,8 +300,10 @@ def load(
             if s.local.numel() and not is_dense(s.local):
                 raise InvalidArgumentError(f"{key}: the destination's elements share memory (an expanded or "
                                            "self-overlapping view); load into a tensor with memory of its own")
-        _load_tensors(manifest, saved, wanted, verify, workers)
+        fill(manifest, [Fill(key, saved[key][0], s.local, s.core_pieces, s.dtype) for key, s in wanted],
+             verify=verify, workers=workers)
         report.loaded.extend(key for key, _ in wanted)
+        nbytes = sum(s.local.numel() * s.local.element_size() for _, s in wanted)
         for key, leaf in leaves.items():
             if not leaf.is_tensor and key in entries:
                 if isinstance(leaf.container, tuple):
@@ -380,4 +313,14 @@ def load(
         report.loaded.sort()
         return report
 
-    return group.agree(run)
+    report = group.agree(run)
+    if group.rank == 0:
+        _log_summary("loaded", nbytes, "from", path, t0, f"rank 0 of {group.size}")
+    return report
+
+
+def _log_summary(verb: str, nbytes: int, prep: str, path: str | os.PathLike[str], t0: float, who: str) -> None:
+    """The one INFO line of a save or load that began at `t0`: bytes, seconds and GB/s."""
+    dt = time.perf_counter() - t0
+    log.info("%s %.2f GB (%d bytes) %s %s in %.2f s (%.2f GB/s, %s)", verb, nbytes / 1e9, nbytes, prep, path, dt,
+             nbytes / max(dt, 1e-9) / 1e9, who)

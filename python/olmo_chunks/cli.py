@@ -7,30 +7,100 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from . import _core, values
 from .errors import OlmoChunksError
 from .roles import MAIN_WEIGHT, ROLES
 
-__all__ = ["main", "register"]
-
-_COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = []
+__all__ = ["COMMANDS", "Command", "main", "summarize"]
 
 
-def register(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
-    """Decorator adding a subcommand: `configure` adds its arguments, the function runs it and
-    returns the exit status."""
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: `module` (imported only when the subcommand is chosen) defines `configure`,
+    which adds its arguments, and `run`, which runs it and returns the exit status. `watch` names
+    the argument holding the output directory whose growth a progress bar shows while it runs."""
 
-    def wrap(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        _COMMANDS.append((name, help, configure, fn))
-        return fn
+    name: str
+    help: str
+    module: str
+    configure: str
+    run: str
+    watch: str | None = None
 
-    return wrap
+
+COMMANDS = [
+    Command("inspect", "list tensors, roles, chunks and the bytes-per-parameter breakdown", __name__,
+            "_inspect_args", "_inspect"),
+    Command("verify", "check every checksum and that chunks cover every tensor exactly once", __name__,
+            "_verify_args", "_verify"),
+    Command("import-dcp", "convert a DCP FileSystemWriter checkpoint into the chunk store, then verify it",
+            "olmo_chunks.dcp", "_import_args", "_import_cmd", watch="dst"),
+    Command("export", "stream main weights into sharded safetensors / a Hugging Face model directory",
+            "olmo_chunks.export", "_export_args", "_export_cmd", watch="out"),
+    Command("import-hf", "write a native checkpoint from a Hugging Face safetensors model directory",
+            "olmo_chunks.export", "_import_args", "_import_cmd", watch="ckpt"),
+    Command("validate-conversion", "exhaustively compare a native checkpoint with its HF export (two passes)",
+            "olmo_chunks.export", "_validate_args", "_validate_cmd"),
+    Command("bench", "save and resharded-load throughput against torch DCP and the raw I/O roofline",
+            "olmo_chunks.bench", "configure", "main"),
+]
+
+
+@contextlib.contextmanager
+def _progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], None] | None]:
+    """A bytes progress bar on stderr, fed with the bytes done so far; None (no bar) when stderr is
+    not a terminal or tqdm is not installed."""
+    if not sys.stderr.isatty() or importlib.util.find_spec("tqdm") is None:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+              file=sys.stderr) as bar:
+        yield lambda done: bar.update(done - bar.n)
+
+
+def _bytes_under(path: str) -> int:
+    """The size of the files under `path` (those gone meanwhile count 0)."""
+    n = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                n += os.lstat(os.path.join(root, f)).st_size
+    return n
+
+
+@contextlib.contextmanager
+def _watching(desc: str, path: str) -> Iterator[None]:
+    """A progress bar of the bytes under directory `path` while the body runs, for work that
+    reports no progress of its own."""
+    with _progress(desc) as update:
+        if update is None:
+            yield
+            return
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(0.5):
+                update(_bytes_under(path))
+
+        t = threading.Thread(target=poll, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
 
 
 def _gib(n: int) -> str:
@@ -75,7 +145,6 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tensors", action="store_true", help="totals only")
 
 
-@register("inspect", "list tensors, roles, chunks and the bytes-per-parameter breakdown", _inspect_args)
 def _inspect(args: argparse.Namespace) -> int:
     s = summarize(args.path)
     if args.json:
@@ -105,46 +174,52 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None)
 
 
-@register("verify", "check every checksum and that chunks cover every tensor exactly once", _verify_args)
 def _verify(args: argparse.Namespace) -> int:
     m = _core.Manifest.open(args.path)
     m.check_coverage()
-    t0 = time.perf_counter()
-    n = m.verify_data(args.workers)
-    dt = time.perf_counter() - t0
+    with _progress("verify", sum(t[5] for t in m.tensors)) as update:
+        t0 = time.perf_counter()
+        n = m.verify_data(args.workers, progress=update)
+        dt = time.perf_counter() - t0
     print(f"OK {args.path}: {len(m.tensors)} tensors, {m.num_chunks} chunks, {n} bytes verified "
           f"({n / max(dt, 1e-9) / 1e9:.2f} GB/s), exact coverage")
     return 0
 
 
-def _load_plugins() -> None:
-    """Imports modules that register further subcommands (they may need optional packages)."""
-    import importlib
-
-    for mod in ("olmo_chunks.dcp", "olmo_chunks.export", "olmo_chunks.bench"):
-        with contextlib.suppress(ImportError):
-            importlib.import_module(mod)
+def _fail(command: str, exc: Exception) -> int:
+    """Prints `exc` as one error line (re-raises an unexpected one under OLMO_CHUNKS_DEBUG=1)."""
+    if not isinstance(exc, OlmoChunksError) and os.environ.get("OLMO_CHUNKS_DEBUG") == "1":
+        raise exc
+    what = str(exc) if isinstance(exc, OlmoChunksError) else f"{type(exc).__name__}: {exc}"
+    print(f"olmo-chunks {command}: error: {what}".replace("\n", " "), file=sys.stderr)
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _load_plugins()
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="olmo-chunks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help, configure, fn in _COMMANDS:
-        p = sub.add_parser(name, help=help, description=help)
-        configure(p)
-        p.set_defaults(run=fn)
+    parsers = {c.name: sub.add_parser(c.name, help=c.help, description=c.help) for c in COMMANDS}
+    # The command is the first word (the top-level parser has no options taking values); only its
+    # module is imported, so `--help`, `inspect` and `verify` stay torch-free.
+    cmd = next((c for c in COMMANDS if c.name == next((a for a in argv if not a.startswith("-")), None)), None)
+    if cmd is None:
+        parser.parse_args(argv)  # --help, or a usage error; exits
+        return 2
+    try:
+        module = importlib.import_module(cmd.module)
+        configure, run = getattr(module, cmd.configure), getattr(module, cmd.run)
+    except Exception as exc:
+        return _fail(cmd.name, exc)
+    configure(parsers[cmd.name])
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with _watching(cmd.name, getattr(args, cmd.watch)) if cmd.watch else contextlib.nullcontext():
+            return run(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        if not isinstance(exc, OlmoChunksError) and os.environ.get("OLMO_CHUNKS_DEBUG") == "1":
-            raise
-        what = str(exc) if isinstance(exc, OlmoChunksError) else f"{type(exc).__name__}: {exc}"
-        print(f"olmo-chunks {args.command}: error: {what}".replace("\n", " "), file=sys.stderr)
-        return 1
+        return _fail(cmd.name, exc)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import io
 import logging
 import os
@@ -67,7 +68,6 @@ from torch.futures import Future
 from . import _core, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group, bound_collectives
 from .checkpoint import _write, commit_manifest
-from .cli import register
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -81,8 +81,9 @@ from .errors import (
     UnsafePathError,
     UnsupportedFormatError,
 )
+from .fill import Fill, fill
 from .roles import resolve_role
-from .shards import dtype_name, is_dense, torch_dtype
+from .shards import dtype_name, torch_dtype
 
 __all__ = ["ChunkStoreReader", "ChunkStoreWriter", "FastLoadPlanner", "import_dcp"]
 
@@ -192,16 +193,6 @@ class _PlanStorage:
 
     save_id: str
     rank: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _ChunkWritten:
-    region: tuple
-    file: str
-    file_size: int
-    offset: int
-    nbytes: int
-    checksums: bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,14 +372,8 @@ class ChunkStoreWriter(StorageWriter):
             chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
         written = _write(self.path, storage.save_id, storage.rank, chunks, self.block_size, self.workers)
-        for item, (_, region, fname, fsize, offset, nbytes, crcs) in zip(chunk_items, written, strict=True):
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=nbytes,
-                    storage_data=_ChunkWritten(region, fname, fsize, offset, nbytes, crcs),
-                )
-            )
+        for item, chunk in zip(chunk_items, written, strict=True):
+            results.append(WriteResult(index=item.index, size_in_bytes=chunk.nbytes, storage_data=chunk))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -404,18 +389,14 @@ class ChunkStoreWriter(StorageWriter):
                 dtype = md.properties.dtype
                 role = resolve_role(fqn, torch.empty(0, dtype=dtype), self.roles)
                 schema[fqn] = (dtype_name(dtype), list(md.size), role)
-        all_written: list[list[tuple]] = []
+        chunks: list[_core.WrittenChunk] = []
         for rank_results in results:
-            mine = []
             for r in rank_results:
                 sd = r.storage_data
-                if isinstance(sd, _ChunkWritten):
-                    mine.append(
-                        (r.index.fqn, sd.region, sd.file, sd.file_size, sd.offset, sd.nbytes, sd.checksums)
-                    )
+                if isinstance(sd, _core.WrittenChunk):
+                    chunks.append(sd)
                 elif isinstance(sd, _ValueWritten):
                     leaves[r.index.fqn] = sd.encoded
-            all_written.append(mine)
         paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else None
         entries = group_entries(leaves, paths, schema)
         info = {
@@ -425,7 +406,7 @@ class ChunkStoreWriter(StorageWriter):
             **self.info,
         }
         try:
-            commit_manifest(self._txn, self.block_size, schema, all_written, entries, info)
+            commit_manifest(self._txn, self.block_size, schema, chunks, entries, info)
         finally:
             self._abort()  # a no-op once committed
 
@@ -593,12 +574,8 @@ class ChunkStoreReader(StorageReader):
 
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         m = self._open()
-        targets: list[tuple[int, list, int]] = []
-        buffers: list[tuple[int, int]] = []
-        buffer_of: dict[int, int] = {}
-        owner: dict[int, str] = {}  # storage address -> the first key loaded into it
-        keep: list[torch.Tensor] = []  # storages handed to the core stay alive until it returns
-        resolved: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
+        fills: list[Fill] = []
+        resolved: list[tuple[ReadItem, torch.Tensor]] = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 continue
@@ -617,33 +594,10 @@ class ChunkStoreReader(StorageReader):
                 )
             base = item.storage_index.offset or torch.Size([0] * len(lengths))
             offsets = [int(a) + int(b) for a, b in zip(base, item.storage_offsets, strict=True)]
-            stage = None
-            shared = (
-                dest.device.type == "cpu" and owner.setdefault(dest.untyped_storage().data_ptr(), fqn) != fqn
-            )
-            if shared or not _direct(dest, saved_dtype):
-                # `shared`: another key's tensor lives in this storage (tied weights); it is read
-                # through its own buffer so the two never write one destination concurrently.
-                stage = torch.empty(lengths, dtype=saved_dtype, pin_memory=dest.device.type == "cuda")
-            into = dest if stage is None else stage
-            resolved.append((item, dest, stage))
-            if into.numel() == 0:
-                continue
-            # Views of one storage share one buffer (the whole storage); pieces address into it.
-            storage = into.untyped_storage()
-            sptr = storage.data_ptr()
-            if sptr not in buffer_of:
-                buffer_of[sptr] = len(buffers)
-                buffers.append((sptr, storage.nbytes()))
-                keep.append(into)
-            start = (into.data_ptr() - sptr) // into.element_size()
-            targets.append((ti, [(offsets, lengths, start, list(into.stride()))], buffer_of[sptr]))
-        if targets:
-            m.load(targets, buffers, verify=self.verify, workers=self.workers)
-        del keep
-        for item, dest, stage in resolved:
-            if stage is not None:
-                dest.copy_(stage)
+            fills.append(Fill(fqn, ti, dest, functools.partial(_box_pieces, offsets), saved_dtype))
+            resolved.append((item, dest))
+        fill(m, fills, verify=self.verify, workers=self.workers)
+        for item, dest in resolved:
             planner.commit_tensor(item, dest)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -689,13 +643,9 @@ def _data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn:
         raise
 
 
-def _direct(dest: torch.Tensor, saved_dtype: torch.dtype) -> bool:
-    """True if the core can write `dest`'s elements in place (CPU, saved dtype, no self-overlap)."""
-    if dest.device.type != "cpu" or dest.dtype != saved_dtype:
-        return False
-    if (dest.data_ptr() - dest.untyped_storage().data_ptr()) % dest.element_size():
-        return False
-    return is_dense(dest)
+def _box_pieces(offsets: list[int], buf: torch.Tensor) -> list[tuple[list[int], list[int], int, list[int]]]:
+    """The core target piece of the box at `offsets` of `buf`'s shape, filling all of `buf`."""
+    return [(offsets, list(buf.shape), 0, list(buf.stride()))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -967,7 +917,7 @@ def import_dcp(
     storage: Mapping[MetadataIndex, Any] = md.storage_data
     schema: dict[str, tuple] = {}
     leaves: dict[str, Any] = {}
-    written: list[tuple] = []
+    written: list[_core.WrittenChunk] = []
     pending: list[tuple[str, tuple, torch.Tensor]] = []
     pending_bytes = 0
     nfile = 0
@@ -1059,7 +1009,7 @@ def import_dcp(
                 "dcp_version": md.version,
                 **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
             }
-        m = commit_manifest(txn, block_size, schema, [written], entries, info)
+        m = commit_manifest(txn, block_size, schema, written, entries, info)
     finally:
         txn.abort()  # a no-op once committed
     m.check_coverage()
@@ -1081,11 +1031,6 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at dst")
 
 
-@register(
-    "import-dcp",
-    "convert a DCP FileSystemWriter checkpoint into the chunk store, then verify it",
-    _import_args,
-)
 def _import_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     s = import_dcp(

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from . import _core, values
-from .checkpoint import local_path
-from .cli import register
+from .checkpoint import _write, commit_manifest, local_path
 from .errors import ConversionError, InvalidArgumentError, OlmoChunksError
 from .mapping import (
     BUILTIN_MAPPINGS,
@@ -369,23 +368,18 @@ def import_hf(
 def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | TensorDictSource, plan: TensorPlan,
                  spec: MappingSpec, native_dtype: dict[str, torch.dtype], config: Mapping[str, Any] | None,
                  memory_budget: int, workers: int | None) -> dict[str, Any]:
-    save_id = txn.save_id
-    files: list[tuple[str, int]] = []
-    chunks: dict[str, list[tuple]] = {n: [] for n in plan.natives}
+    written: list[_core.WrittenChunk] = []
     pending: list[tuple[str, tuple[str, list[int], list[int]], torch.Tensor]] = []
     pending_bytes = 0
+    nfiles = 0
 
     def flush() -> None:
-        nonlocal pending, pending_bytes
+        nonlocal pending, pending_bytes, nfiles
         if not pending:
             return
-        name = f"data/{save_id}/import-{len(files):05d}.bin"
-        items = [(0, t.data_ptr(), t.numel() * t.element_size()) for _, _, t in pending]
-        written, got = _core.write_chunks(str(path), [name], items, _core.DEFAULT_BLOCK_SIZE, workers)
-        fi = len(files)
-        files.extend(got)
-        for (native, (kind, a, b), _), (_, offset, nbytes, crcs) in zip(pending, written, strict=True):
-            chunks[native].append((kind, a, b, fi, offset, nbytes, bytes(crcs)))
+        chunks = [(spec.import_prefix + native, region, t) for native, region, t in pending]
+        written.extend(_write(path, txn.save_id, nfiles, chunks, _core.DEFAULT_BLOCK_SIZE, workers))
+        nfiles += 1
         pending, pending_bytes = [], 0
 
     def add(native_src: NativeSource, off: list[int], size: list[int], data: torch.Tensor) -> None:
@@ -426,12 +420,10 @@ def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | T
                     off[op.dim] += plan.vocab_size
                     add(e.source, off, list(size), torch.zeros(size, dtype=e.source.dtype))
     flush()
-    tensors = []
-    for native, (saved_shape, _) in sorted(plan.natives.items()):
-        key = spec.import_prefix + native
-        tensors.append(
-            (key, dtype_name(native_dtype[native]), list(saved_shape), MAIN_WEIGHT, chunks[native])
-        )
+    schema = {
+        spec.import_prefix + native: (dtype_name(native_dtype[native]), list(saved_shape), MAIN_WEIGHT)
+        for native, (saved_shape, _) in plan.natives.items()
+    }
     entries: dict[str, Any] = {
         "model_config": values.encode(
             {"vocab_size": plan.vocab_size, "padded_vocab_size": plan.padded_vocab_size}, "model_config"
@@ -439,31 +431,20 @@ def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | T
     }
     if config is not None:
         entries["hf_config"] = values.encode(dict(config), "hf_config")
-    info = values.encode(
-        {
-            "writer": "olmo_chunks.import_hf",
-            "created_unix": time.time(),
-            "source": str(getattr(src, "path", "<tensors>")),
-            "mapping": spec.name,
-            "mapping_sha256": spec.sha256,
-            "torch": torch.__version__,
-        },
-        "info",
-    )
-    txn.commit(
-        _core.DEFAULT_BLOCK_SIZE,
-        files,
-        tensors,
-        json.dumps(entries, allow_nan=False),
-        json.dumps(info, allow_nan=False),
-    )
+    info = {
+        "writer": "olmo_chunks.import_hf",
+        "source": str(getattr(src, "path", "<tensors>")),
+        "mapping": spec.name,
+        "mapping_sha256": spec.sha256,
+    }
+    commit_manifest(txn, _core.DEFAULT_BLOCK_SIZE, schema, written, entries, info)
     return {
-        "tensors": len(tensors),
+        "tensors": len(schema),
         "hf_tensors": len(plan.entries),
         "mapping": spec.name,
         "vocab_size": plan.vocab_size,
         "padded_vocab_size": plan.padded_vocab_size,
-        "files": len(files),
+        "files": nfiles,
     }
 
 
@@ -649,8 +630,20 @@ def _hf_model_state(
     return TensorDictSource(state), f"transformers {transformers.__version__} {arch}", problems
 
 
-def _hash_file(p: Path) -> str | None:
-    return hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None
+_HASH_BLOCK = 8 << 20
+
+
+def _hash_file(p: Path, budget: int = _HASH_BLOCK) -> str | None:
+    """sha256 of file `p` (None if absent), streamed through one buffer of at most `budget` bytes
+    (and at most `_HASH_BLOCK`), so a shard of any size is hashed in bounded memory."""
+    if not p.exists():
+        return None
+    h = hashlib.sha256()
+    with open(p, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(max(1, min(budget, _HASH_BLOCK, os.fstat(f.fileno()).st_size))))
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return h.hexdigest()
 
 
 def validate_conversion(
@@ -688,7 +681,7 @@ def validate_conversion(
             "file_sha256": _hash_file(cfg_path),
             "sha256": _sha256_json(cfg) if cfg is not None else None,
         },
-        "hf_files": {f: _hash_file(hf_dir / f) for f in sorted(files.metadata)},
+        "hf_files": {f: _hash_file(hf_dir / f, memory_budget) for f in sorted(files.metadata)},
         "recorded_export": index_meta or None,
         "passes": {},
         "failures": [],
@@ -814,9 +807,6 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None)
 
 
-@register(
-    "export", "stream main weights into sharded safetensors / a Hugging Face model directory", _export_args
-)
 def _export_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     index = export_checkpoint(
@@ -858,9 +848,6 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at CKPT")
 
 
-@register(
-    "import-hf", "write a native checkpoint from a Hugging Face safetensors model directory", _import_args
-)
 def _import_cmd(args: argparse.Namespace) -> int:
     s = import_hf(
         args.hf_dir,
@@ -892,11 +879,6 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None)
 
 
-@register(
-    "validate-conversion",
-    "exhaustively compare a native checkpoint with its HF export (two passes)",
-    _validate_args,
-)
 def _validate_cmd(args: argparse.Namespace) -> int:
     try:
         report = validate_conversion(

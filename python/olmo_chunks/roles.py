@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: the CLI's inspect and verify import this module
+    import torch
 
 __all__ = [
     "EXP_AVG",

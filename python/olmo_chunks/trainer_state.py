@@ -36,6 +36,7 @@ from .errors import InvalidArgumentError, MismatchError
 
 __all__ = [
     "PREFIX",
+    "RNG_PREFIX",
     "Resumed",
     "TrainerState",
     "capture_rng",
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 PREFIX = "trainer"
+# Each rank's RNG states live under f"{RNG_PREFIX}rank{R:05d}.": trainer state, restored by
+# `load_trainer_state`, never counted as unexpected by a strict `load` (a rank holds only its own).
+RNG_PREFIX = f"{PREFIX}.rng."
 _FIELDS = ("step", "tokens", "epoch", "seed", "data_position", "config", "data_manifest", "extra")
 RESTORED = "restored"
 RESEEDED = "reseeded"
@@ -168,7 +172,7 @@ def load_trainer_state(
             raise MismatchError(missing, header=f"{path}: no complete trainer state")
         state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS})
         saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
-        prefix = f"{PREFIX}.rng.{_rank_key(group.rank)}."
+        prefix = f"{RNG_PREFIX}{_rank_key(group.rank)}."
         shapes = {t[0][len(prefix):]: t[2] for t in manifest.tensors if t[0].startswith(prefix)}
         mine = None
         if saved_layout == here and "torch" in shapes:

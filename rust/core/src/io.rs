@@ -5,7 +5,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::IoSliceMut;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{CoreError, Result};
@@ -541,8 +541,13 @@ fn open_data_file(dir: &Path, m: &Manifest, file: u32) -> Result<(File, PathBuf,
 }
 
 /// Streams every chunk of the checkpoint once and checks its block checksums and file extents.
-/// Returns the number of bytes verified.
-pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
+/// Returns the number of bytes verified; `progress`, when given, counts them up as units complete.
+pub fn verify_all(
+    dir: &Path,
+    m: &Manifest,
+    workers: usize,
+    progress: Option<&AtomicU64>,
+) -> Result<u64> {
     let files = (0..m.files.len())
         .map(|f| open_data_file(dir, m, f as u32))
         .collect::<Result<Vec<_>>>()?;
@@ -583,7 +588,11 @@ pub fn verify_all(dir: &Path, m: &Manifest, workers: usize) -> Result<u64> {
                     _ => CoreError::io(path, err),
                 })?;
             check_blocks(m, c, ch, s, &[&buf[..]], path)
-        })
+        })?;
+        if let Some(done) = progress {
+            done.fetch_add(e - s, Ordering::Relaxed);
+        }
+        Ok(())
     })?;
     Ok(total)
 }

@@ -10,6 +10,7 @@ pub mod load;
 pub mod manifest;
 pub mod plan;
 pub mod region;
+pub mod save;
 pub mod txn;
 
 pub use error::{CoreError, Result};
@@ -18,4 +19,5 @@ pub use load::{check_manifest_coverage, plan_copies, plan_runs, Target};
 pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};
 pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};
+pub use save::{assemble_manifest, SavedChunk, TensorSchema};
 pub use txn::{SaveOptions, SaveTxn};

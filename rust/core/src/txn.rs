@@ -16,6 +16,8 @@ use std::time::{Duration, SystemTime};
 use crate::error::{CoreError, Result};
 use crate::load::check_manifest_coverage;
 use crate::manifest::{sync_dir, Manifest, MANIFEST_NAME};
+use crate::save::{assemble_manifest, SavedChunk, TensorSchema};
+use serde_json::value::RawValue;
 
 /// The lease file: present while a save of this directory is in progress.
 pub const LEASE_NAME: &str = ".olmo_chunks.lease";
@@ -298,6 +300,22 @@ impl SaveTxn {
     /// `data/<save_id>`, relative to the checkpoint directory: where this save's files go.
     pub fn data_prefix(&self) -> String {
         format!("{DATA_DIR}/{}", self.save_id)
+    }
+
+    /// Assembles the manifest of this save from its parts, validates it as every reader does and
+    /// commits it (see [`SaveTxn::commit`]).
+    pub fn commit_parts(
+        &mut self,
+        block_size: u64,
+        tensors: Vec<TensorSchema>,
+        chunks: Vec<SavedChunk>,
+        entries: Box<RawValue>,
+        info: Box<RawValue>,
+    ) -> Result<Manifest> {
+        let m = assemble_manifest(&self.save_id, block_size, tensors, chunks, entries, info)?;
+        let m = Manifest::decode(&m.encode(), &self.dir.join(MANIFEST_NAME))?;
+        self.commit(&m)?;
+        Ok(m)
     }
 
     /// Commits `m` (which must name only this save's data files) atomically, then removes the data

@@ -88,7 +88,7 @@ fn expect_refused(dir: &Path, m: &Manifest, file: u32, needle: &str) {
             ("load", within_time("load", move || load_all(&d, &m1))),
             (
                 "verify",
-                within_time("verify", move || verify_all(&d2, &m2, 2).map(|_| ())),
+                within_time("verify", move || verify_all(&d2, &m2, 2, None).map(|_| ())),
             ),
             (
                 "open_beneath",
@@ -126,7 +126,7 @@ fn copy_outside(dir: &Path, m: &Manifest, file: u32) -> (tempfile::TempDir, Path
 fn intact_checkpoint_loads_through_both_open_paths() {
     let (dir, m) = checkpoint();
     load_all(dir.path(), &m).unwrap();
-    verify_all(dir.path(), &m, 2).unwrap();
+    verify_all(dir.path(), &m, 2, None).unwrap();
     for f in &m.files {
         open_beneath(dir.path(), &f.path).unwrap();
         open_beneath_walk(dir.path(), &f.path).unwrap();
@@ -178,7 +178,7 @@ fn checkpoint_directory_itself_may_be_a_symlink() {
     let link = links.path().join("ckpt");
     std::os::unix::fs::symlink(dir.path(), &link).unwrap();
     load_all(&link, &m).unwrap();
-    verify_all(&link, &m, 2).unwrap();
+    verify_all(&link, &m, 2, None).unwrap();
     open_beneath_walk(&link, &m.files[0].path).unwrap();
 }
 

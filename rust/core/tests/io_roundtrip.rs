@@ -175,7 +175,7 @@ proptest! {
                 e => Err(TestCaseError::fail(format!("wrong error {e:?}"))),
             }
         };
-        check(verify_all(dir.path(), &m, 2).unwrap_err())?;
+        check(verify_all(dir.path(), &m, 2, None).unwrap_err())?;
         let item = olmo_chunks_core::dtype::itemsize(&m.tensors[t].dtype).unwrap();
         let numel: u64 = m.tensors[t].shape.iter().product();
         let whole = Target { tensor: t, pieces: Region::Flat { start: 0, len: numel }.pieces(&m.tensors[t].shape), dest: 0, dest_len: numel * item };
@@ -262,7 +262,12 @@ fn big_copies_split_across_units() {
     for block in [1000u64, 4096] {
         let len = 2 * MAX_UNIT + 12_345;
         let (dir, m, big) = big_chunk(block, len);
-        assert_eq!(verify_all(dir.path(), &m, 3).unwrap(), len + 10);
+        let done = std::sync::atomic::AtomicU64::new(0);
+        assert_eq!(
+            verify_all(dir.path(), &m, 3, Some(&done)).unwrap(),
+            len + 10
+        );
+        assert_eq!(done.into_inner(), len + 10);
         let unit = MAX_UNIT.next_multiple_of(block);
         read_big(
             dir.path(),
@@ -406,7 +411,7 @@ fn truncated_data_file_is_reported() {
         .unwrap();
     for err in [
         read_all(dir.path(), &m).unwrap_err(),
-        verify_all(dir.path(), &m, 2).unwrap_err(),
+        verify_all(dir.path(), &m, 2, None).unwrap_err(),
     ] {
         match err {
             CoreError::Truncated {
@@ -443,7 +448,7 @@ fn missing_data_file_is_not_found() {
     std::fs::remove_file(&path).unwrap();
     for err in [
         read_all(dir.path(), &m).unwrap_err(),
-        verify_all(dir.path(), &m, 2).unwrap_err(),
+        verify_all(dir.path(), &m, 2, None).unwrap_err(),
     ] {
         match err {
             CoreError::Io { path: p, source } => {

@@ -2,13 +2,15 @@
 //! around the work, map errors onto the `olmo_chunks.errors` hierarchy.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use olmo_chunks_core as core;
 use olmo_chunks_core::{CoreError, Manifest, Piece, Region};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::PyTuple;
 
 /// Maps a core error onto the Python exception hierarchy in `olmo_chunks.errors`.
 fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
@@ -110,8 +112,8 @@ fn region_from_py(kind: &str, a: Vec<u64>, b: Vec<u64>) -> Result<Region, CoreEr
 type PyPiece = (Vec<u64>, Vec<u64>, u64, Vec<u64>);
 /// `(chunk_in_tensor, src_elem, target, dst_elem, len)`
 type PyRun = (usize, u64, usize, u64, u64);
-/// `(key, dtype, shape, role, chunks)`
-type PyTensor = (String, String, Vec<u64>, String, Vec<PyChunk>);
+/// `(key, kind, a, b, address, nbytes)`: a chunk to write, from live memory.
+type PyWriteItem = (String, String, Vec<u64>, Vec<u64>, usize, usize);
 
 /// A decoded, validated checkpoint manifest.
 #[pyclass(name = "Manifest", module = "olmo_chunks._core", frozen)]
@@ -216,13 +218,45 @@ impl PyManifest {
         let m = self.inner.clone();
         detach(py, move || core::check_manifest_coverage(&m))
     }
-    /// Reads every chunk and checks its checksums; returns the bytes verified.
-    #[pyo3(signature = (workers=None))]
-    fn verify_data(&self, py: Python<'_>, workers: Option<usize>) -> PyResult<u64> {
-        let (m, dir) = (self.inner.clone(), self.dir.clone());
-        detach(py, move || {
-            core::verify_all(&dir, &m, worker_count(workers))
-        })
+    /// Reads every chunk and checks its checksums; returns the bytes verified. `progress`, when
+    /// given, is called about every 100 ms with the bytes verified so far (last with the total);
+    /// an exception it raises stops the calls and is raised once verification has finished.
+    #[pyo3(signature = (workers=None, progress=None))]
+    fn verify_data(
+        &self,
+        py: Python<'_>,
+        workers: Option<usize>,
+        progress: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let (m, dir, workers) = (self.inner.clone(), self.dir.clone(), worker_count(workers));
+        let Some(progress) = progress else {
+            return detach(py, move || core::verify_all(&dir, &m, workers, None));
+        };
+        let done = AtomicU64::new(0);
+        let caller = std::thread::current();
+        let (verified, failed) = std::thread::scope(|s| {
+            let job = s.spawn(|| {
+                let r = core::verify_all(&dir, &m, workers, Some(&done));
+                caller.unpark();
+                r
+            });
+            let (mut shown, mut failed) = (0, None);
+            let mut report = |now: u64| {
+                if now > shown && failed.is_none() {
+                    shown = now;
+                    failed = progress.call1((now,)).err();
+                }
+            };
+            while !job.is_finished() {
+                report(done.load(Ordering::Relaxed));
+                py.detach(|| std::thread::park_timeout(Duration::from_millis(100)));
+            }
+            let verified = job.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+            report(done.load(Ordering::Relaxed)); // joined: the total is visible now
+            (verified, failed)
+        });
+        let verified = verified.map_err(|e| to_pyerr(py, e))?;
+        failed.map_or(Ok(verified), Err)
     }
     /// Element runs `(chunk_in_tensor, src_elem, target, dst_elem, len)` filling each target.
     /// A target is `(tensor_index, pieces)`, a piece `(offsets, sizes, local_start, strides)`.
@@ -345,56 +379,179 @@ fn box_overlaps(
     })
 }
 
-/// Writes chunks `(file_index, address, nbytes)` into fresh data files `rel_paths` under `dir`,
-/// fsyncs them, and returns `([(file, offset, nbytes, checksums)], [(path, size)])`.
-#[pyfunction]
-#[pyo3(signature = (dir, rel_paths, items, block_size, workers=None))]
-#[allow(clippy::type_complexity)]
-fn write_chunks<'py>(
-    py: Python<'py>,
-    dir: PathBuf,
-    rel_paths: Vec<String>,
-    items: Vec<(usize, usize, usize)>,
-    block_size: u64,
-    workers: Option<usize>,
-) -> PyResult<(
-    Vec<(u32, u64, u64, Bound<'py, PyBytes>)>,
-    Vec<(String, u64)>,
-)> {
-    let datas: Vec<(usize, &[u8])> = items
-        .iter()
-        .map(|&(file, ptr, len)| {
-            let data: &[u8] = if len == 0 {
-                &[]
-            } else {
-                // SAFETY: the Python caller passes `data_ptr()` and byte size of live contiguous CPU
-                // tensors that it keeps referenced and unmodified for the whole call; we only read.
-                unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
-            };
-            (file, data)
-        })
-        .collect();
-    let (written, files) = detach(py, move || {
-        let items: Vec<core::WriteItem<'_>> = datas
-            .iter()
-            .map(|&(file, data)| core::WriteItem { file, data })
-            .collect();
-        core::write_chunks(&dir, &rel_paths, &items, block_size, worker_count(workers))
-    })?;
-    let written = written
-        .into_iter()
-        .map(|w| {
-            let crcs: Vec<u8> = w.checksums.iter().flat_map(|c| c.to_le_bytes()).collect();
-            (w.file, w.offset, w.len, PyBytes::new(py, &crcs))
-        })
-        .collect();
-    Ok((
-        written,
-        files.into_iter().map(|f| (f.path, f.size)).collect(),
-    ))
+/// A global tensor as a save describes it (`olmo_chunks._core.TensorSchema`).
+#[pyclass(name = "TensorSchema", module = "olmo_chunks._core", frozen, get_all)]
+#[derive(Clone)]
+struct PyTensorSchema {
+    key: String,
+    dtype: String,
+    shape: Vec<u64>,
+    role: String,
 }
 
-type PyChunk = (String, Vec<u64>, Vec<u64>, u32, u64, u64, Vec<u8>);
+#[pymethods]
+impl PyTensorSchema {
+    #[new]
+    fn new(key: String, dtype: String, shape: Vec<u64>, role: String) -> Self {
+        PyTensorSchema {
+            key,
+            dtype,
+            shape,
+            role,
+        }
+    }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let s = slf.get();
+        let args = (
+            s.key.clone(),
+            s.dtype.clone(),
+            s.shape.clone(),
+            s.role.clone(),
+        );
+        (slf.get_type(), args).into_pyobject(slf.py())
+    }
+    fn __eq__(&self, other: &Self) -> bool {
+        (&self.key, &self.dtype, &self.shape, &self.role)
+            == (&other.key, &other.dtype, &other.shape, &other.role)
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "TensorSchema(key={:?}, dtype={:?}, shape={:?}, role={:?})",
+            self.key, self.dtype, self.shape, self.role
+        )
+    }
+}
+
+/// One chunk a rank wrote (`olmo_chunks._core.WrittenChunk`): its region of tensor `key` (`kind`
+/// "box" with `offsets`/`sizes`, or "flat" with `[start]`/`[len]`) and where its bytes lie.
+/// Picklable: ranks send these to the rank that commits.
+#[pyclass(name = "WrittenChunk", module = "olmo_chunks._core", frozen, get_all)]
+#[derive(Clone)]
+struct PyWrittenChunk {
+    key: String,
+    kind: String,
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
+    file: String,
+    file_size: u64,
+    offset: u64,
+    nbytes: u64,
+    checksums: Vec<u32>,
+}
+
+#[pymethods]
+impl PyWrittenChunk {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        key: String,
+        kind: String,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+        file: String,
+        file_size: u64,
+        offset: u64,
+        nbytes: u64,
+        checksums: Vec<u32>,
+    ) -> Self {
+        PyWrittenChunk {
+            key,
+            kind,
+            offsets,
+            sizes,
+            file,
+            file_size,
+            offset,
+            nbytes,
+            checksums,
+        }
+    }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let c = slf.get().clone();
+        let args = (
+            c.key,
+            c.kind,
+            c.offsets,
+            c.sizes,
+            c.file,
+            c.file_size,
+            c.offset,
+            c.nbytes,
+            c.checksums,
+        );
+        (slf.get_type(), args).into_pyobject(slf.py())
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "WrittenChunk(key={:?}, {} {:?}+{:?}, file={:?}, offset={}, nbytes={})",
+            self.key, self.kind, self.offsets, self.sizes, self.file, self.offset, self.nbytes
+        )
+    }
+}
+
+impl PyWrittenChunk {
+    fn to_core(&self) -> Result<core::SavedChunk, CoreError> {
+        Ok(core::SavedChunk {
+            key: self.key.clone(),
+            region: region_from_py(&self.kind, self.offsets.clone(), self.sizes.clone())?,
+            file: self.file.clone(),
+            file_size: self.file_size,
+            offset: self.offset,
+            len: self.nbytes,
+            checksums: self.checksums.clone(),
+        })
+    }
+}
+
+/// Writes one fresh data file `rel_path` under `dir` holding `items` (`(key, kind, a, b,
+/// address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory), fsyncs it
+/// and its directories, and returns a `WrittenChunk` per item.
+#[pyfunction]
+#[pyo3(signature = (dir, rel_path, items, block_size, workers=None))]
+fn write_chunks(
+    py: Python<'_>,
+    dir: PathBuf,
+    rel_path: String,
+    items: Vec<PyWriteItem>,
+    block_size: u64,
+    workers: Option<usize>,
+) -> PyResult<Vec<PyWrittenChunk>> {
+    let datas: Vec<&[u8]> = items
+        .iter()
+        .map(|&(_, _, _, _, ptr, len)| {
+            if len == 0 {
+                return &[][..];
+            }
+            // SAFETY: the Python caller passes `data_ptr()` and byte size of live contiguous CPU
+            // tensors that it keeps referenced and unmodified for the whole call; we only read.
+            unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+        })
+        .collect();
+    let rel = vec![rel_path];
+    let (written, files) = detach(py, || {
+        let items: Vec<core::WriteItem<'_>> = datas
+            .iter()
+            .map(|&data| core::WriteItem { file: 0, data })
+            .collect();
+        core::write_chunks(&dir, &rel, &items, block_size, worker_count(workers))
+    })?;
+    let file = &files[0];
+    Ok(items
+        .into_iter()
+        .zip(written)
+        .map(|((key, kind, offsets, sizes, _, _), w)| PyWrittenChunk {
+            key,
+            kind,
+            offsets,
+            sizes,
+            file: file.path.clone(),
+            file_size: file.size,
+            offset: w.offset,
+            nbytes: w.len,
+            checksums: w.checksums,
+        })
+        .collect())
+}
 
 /// One save into a checkpoint directory (`olmo_chunks._core.SaveTransaction`): takes the
 /// directory's lease, hands out the save id data files go under, then commits or aborts.
@@ -435,71 +592,43 @@ impl PySaveTransaction {
         &self.save_id
     }
 
-    /// Assembles the manifest, checks it as every reader does (and exact coverage), commits it
-    /// atomically and removes the data of the saves it supersedes. `tensors` are `(key, dtype,
-    /// shape, role, chunks)` with chunks `(kind, a, b, file, offset, nbytes, checksums_le_bytes)`.
-    #[pyo3(signature = (block_size, files, tensors, entries_json, info_json))]
+    /// Assembles the manifest from `tensors` (every tensor of the save) and `chunks` (what every
+    /// rank wrote), checks it as every reader does (and exact coverage), commits it atomically and
+    /// removes the data of the saves it supersedes.
     fn commit(
         &self,
         py: Python<'_>,
         block_size: u64,
-        files: Vec<(String, u64)>,
-        tensors: Vec<PyTensor>,
+        tensors: Vec<PyRef<'_, PyTensorSchema>>,
+        chunks: Vec<PyRef<'_, PyWrittenChunk>>,
         entries_json: &str,
         info_json: &str,
     ) -> PyResult<PyManifest> {
         let parse = |s: &str| {
             serde_json::from_str(s)
-                .map_err(|e| CoreError::InvalidArgument(format!("bad JSON: {e}")))
+                .map_err(|e| to_pyerr(py, CoreError::InvalidArgument(format!("bad JSON: {e}"))))
         };
-        let dir = self.dir.clone();
-        let build = || -> core::Result<Manifest> {
-            let mut m = Manifest {
-                save_id: self.save_id.clone(),
-                block_size,
-                files: files
-                    .into_iter()
-                    .map(|(path, size)| core::FileEntry { path, size })
-                    .collect(),
-                tensors: Vec::new(),
-                chunk_start: vec![0],
-                chunks: Vec::new(),
-                checksums: Vec::new(),
-                entries: parse(entries_json)?,
-                info: parse(info_json)?,
-            };
-            for (key, dtype, shape, role, chunks) in tensors {
-                let n = chunks.len();
-                for (kind, a, b, file, offset, len, crcs) in chunks {
-                    let crc_index = m.checksums.len() as u64;
-                    m.checksums.extend(
-                        crcs.chunks_exact(4)
-                            .map(|c| u32::from_le_bytes(c.try_into().unwrap())),
-                    );
-                    m.chunks.push(core::Chunk {
-                        region: region_from_py(&kind, a, b)?,
-                        file,
-                        offset,
-                        len,
-                        crc_index,
-                    });
-                }
-                m.chunk_start.push(m.chunks.len());
-                m.tensors.push(core::TensorEntry {
-                    key,
-                    dtype,
-                    shape,
-                    role,
-                    order: "row-major".into(),
-                    chunks: n,
-                });
-            }
-            // Round-trip through the decoder: the same validation every reader applies.
-            let m = Manifest::decode(&m.encode(), &dir.join(core::MANIFEST_NAME))?;
-            self.inner.lock().unwrap().commit(&m)?;
-            Ok(m)
-        };
-        let m = detach(py, build)?;
+        let (entries, info) = (parse(entries_json)?, parse(info_json)?);
+        let tensors: Vec<core::TensorSchema> = tensors
+            .iter()
+            .map(|t| core::TensorSchema {
+                key: t.key.clone(),
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+                role: t.role.clone(),
+            })
+            .collect();
+        let chunks = chunks
+            .iter()
+            .map(|c| c.to_core())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| to_pyerr(py, e))?;
+        let m = detach(py, || {
+            self.inner
+                .lock()
+                .unwrap()
+                .commit_parts(block_size, tensors, chunks, entries, info)
+        })?;
         Ok(PyManifest {
             inner: Arc::new(m),
             dir: self.dir.clone(),
@@ -517,6 +646,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyManifest>()?;
     m.add_function(wrap_pyfunction!(write_chunks, m)?)?;
     m.add_class::<PySaveTransaction>()?;
+    m.add_class::<PyTensorSchema>()?;
+    m.add_class::<PyWrittenChunk>()?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;

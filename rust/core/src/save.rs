@@ -1,0 +1,124 @@
+//! Building the manifest of a save from what its ranks wrote: the one place a manifest is
+//! assembled, whichever front door saved.
+
+use std::collections::HashMap;
+
+use serde_json::value::RawValue;
+
+use crate::error::{CoreError, Result};
+use crate::manifest::{Chunk, FileEntry, Manifest, TensorEntry};
+use crate::region::Region;
+
+/// What a save says about one global tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSchema {
+    pub key: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub role: String,
+}
+
+/// One chunk as a rank wrote it: where it lies in its tensor and in its data file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedChunk {
+    pub key: String,
+    pub region: Region,
+    /// Data file path, relative to the checkpoint directory.
+    pub file: String,
+    pub file_size: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub checksums: Vec<u32>,
+}
+
+/// The manifest of save `save_id`: tensors sorted by key, each with its chunks in the order
+/// given, files in order of first use. Fails on a chunk of a tensor the schema lacks, a key listed
+/// twice, or one file given two sizes. Validation of the result is the decoder's (see
+/// `SaveTxn::commit_parts`).
+pub fn assemble_manifest(
+    save_id: &str,
+    block_size: u64,
+    mut tensors: Vec<TensorSchema>,
+    chunks: Vec<SavedChunk>,
+    entries: Box<RawValue>,
+    info: Box<RawValue>,
+) -> Result<Manifest> {
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].key == w[1].key) {
+        return Err(CoreError::InvalidArgument(format!(
+            "tensor {:?} is described twice",
+            w[0].key
+        )));
+    }
+    let mut per_tensor: Vec<Vec<SavedChunk>> = vec![Vec::new(); tensors.len()];
+    let index: HashMap<&str, usize> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.key.as_str(), i))
+        .collect();
+    for c in chunks {
+        let Some(&t) = index.get(c.key.as_str()) else {
+            return Err(CoreError::InvalidArgument(format!(
+                "a chunk of {:?}, which the save does not describe",
+                c.key
+            )));
+        };
+        per_tensor[t].push(c);
+    }
+    let mut files: Vec<FileEntry> = Vec::new();
+    let mut file_index: HashMap<String, u32> = HashMap::new();
+    let mut m = Manifest {
+        save_id: save_id.to_string(),
+        block_size,
+        files: Vec::new(),
+        tensors: Vec::with_capacity(tensors.len()),
+        chunk_start: vec![0],
+        chunks: Vec::new(),
+        checksums: Vec::new(),
+        entries,
+        info,
+    };
+    for (t, chunks) in tensors.into_iter().zip(per_tensor) {
+        let n = chunks.len();
+        for c in chunks {
+            let file = match file_index.get(&c.file) {
+                Some(&i) if files[i as usize].size == c.file_size => i,
+                Some(_) => {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "data file {:?} is given two sizes",
+                        c.file
+                    )))
+                }
+                None => {
+                    let i = files.len() as u32;
+                    file_index.insert(c.file.clone(), i);
+                    files.push(FileEntry {
+                        path: c.file,
+                        size: c.file_size,
+                    });
+                    i
+                }
+            };
+            let crc_index = m.checksums.len() as u64;
+            m.checksums.extend(c.checksums);
+            m.chunks.push(Chunk {
+                region: c.region,
+                file,
+                offset: c.offset,
+                len: c.len,
+                crc_index,
+            });
+        }
+        m.chunk_start.push(m.chunks.len());
+        m.tensors.push(TensorEntry {
+            key: t.key,
+            dtype: t.dtype,
+            shape: t.shape,
+            role: t.role,
+            order: "row-major".into(),
+            chunks: n,
+        });
+    }
+    m.files = files;
+    Ok(m)
+}

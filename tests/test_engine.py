@@ -1,0 +1,91 @@
+"""One load path for both doors: bounded staging whatever the destination dtype, one place that
+builds a manifest (the core), typed records across the boundary."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import olmo_chunks
+import pytest
+import torch
+from olmo_chunks import _core
+
+RSS_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import psutil, torch
+    import torch.distributed.checkpoint as dcp
+    from olmo_chunks.dcp import ChunkStoreReader
+
+    path, n, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    sd = {f"t{i}": torch.zeros(numel, dtype=torch.bfloat16) for i in range(n)}
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.002)
+
+    base = proc.memory_info().rss
+    t = threading.Thread(target=sample)
+    t.start()
+    dcp.load(sd, storage_reader=ChunkStoreReader(path), no_dist=True)
+    done.set()
+    t.join()
+    ok = all(torch.equal(sd[f"t{i}"], torch.full((numel,), float(i), dtype=torch.bfloat16)) for i in range(n))
+    print(int(ok), base, peak[0])
+    """
+)
+
+
+def test_dcp_door_load_into_bf16_is_bounded_by_the_staging_budget(tmp_path: Path):
+    n, numel, budget = 8, 16 << 20, 64 << 20  # 8 x 64 MiB of FP32 into BF16 destinations
+    olmo_chunks.save({f"t{i}": torch.full((numel,), float(i)) for i in range(n)}, tmp_path / "c")
+    size = n * numel * 4
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "c"), str(n), str(numel)],
+        capture_output=True, text=True, check=True, env={**os.environ, "OLMO_CHUNKS_STAGING_BYTES": str(budget)},
+    ).stdout.split()
+    ok, base, peak = (int(x) for x in out[-3:])
+    extra = peak - base
+    print(f"\nDCP load of {size >> 20} MiB FP32 into BF16: +{extra >> 20} MiB peak RSS, budget {budget >> 20} MiB")
+    assert ok == 1
+    assert extra < budget + (32 << 20), extra  # one staging batch at a time, plus allocator slack
+
+
+def test_written_chunks_and_schemas_are_typed_and_picklable(tmp_path: Path):
+    txn = _core.SaveTransaction.begin(str(tmp_path / "c"))
+    data = torch.arange(12, dtype=torch.float32)
+    (chunk,) = _core.write_chunks(str(tmp_path / "c"), f"data/{txn.save_id}/rank-00000.bin",
+                                  [("w", "flat", [0], [12], data.data_ptr(), 48)], 1 << 20)
+    assert (chunk.key, chunk.kind, chunk.offsets, chunk.sizes, chunk.offset, chunk.nbytes) == (
+        "w", "flat", [0], [12], 0, 48)
+    assert chunk.file == f"data/{txn.save_id}/rank-00000.bin" and chunk.file_size == 48
+    again = pickle.loads(pickle.dumps(chunk))  # ranks send these to the committing rank
+    assert (again.key, again.file, again.checksums) == (chunk.key, chunk.file, chunk.checksums)
+    schema = _core.TensorSchema("w", "float32", [12], "main_weight")
+    assert pickle.loads(pickle.dumps(schema)) == schema
+    m = txn.commit(1 << 20, [schema], [again], "{}", "{}")
+    assert m.tensors == [("w", "float32", [12], "main_weight", 1, 48)]
+    out = {"w": torch.zeros(12)}
+    olmo_chunks.load(out, tmp_path / "c")
+    assert torch.equal(out["w"], data)
+
+
+def test_the_core_refuses_inconsistent_parts(tmp_path: Path):
+    txn = _core.SaveTransaction.begin(str(tmp_path / "c"))
+    name = f"data/{txn.save_id}/rank-00000.bin"
+    data = torch.arange(4, dtype=torch.float32)
+    (chunk,) = _core.write_chunks(str(tmp_path / "c"), name, [("w", "box", [0], [4], data.data_ptr(), 16)], 1 << 20)
+    with pytest.raises(olmo_chunks.InvalidArgumentError, match="does not describe"):
+        txn.commit(1 << 20, [_core.TensorSchema("v", "float32", [4], "tensor")], [chunk], "{}", "{}")
+    with pytest.raises(olmo_chunks.LayoutError):  # half of the tensor is not covered
+        txn.commit(1 << 20, [_core.TensorSchema("w", "float32", [8], "tensor")], [chunk], "{}", "{}")
+    with pytest.raises(olmo_chunks.InvalidArgumentError, match="described twice"):
+        txn.commit(1 << 20, [_core.TensorSchema("w", "float32", [4], "tensor")] * 2, [chunk], "{}", "{}")
+    assert not (tmp_path / "c" / olmo_chunks.MANIFEST_NAME).exists()

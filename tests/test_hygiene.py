@@ -1,0 +1,75 @@
+"""Test hygiene: deprecations are errors in the test process, in the gloo workers and in CLI
+subprocesses (not hidden), and every development requirement is pinned exactly in
+requirements-lock.txt, which scripts/env.sh installs as constraints and hashes into the venv name."""
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests import world
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _warn(category: type[Warning]) -> str:
+    try:
+        warnings.warn("olmo-chunks hygiene probe", category, stacklevel=1)
+    except category:
+        return "raised"
+    return "hidden"
+
+
+@pytest.mark.parametrize("category", [DeprecationWarning, FutureWarning])
+def test_deprecations_are_errors_in_the_test_process(category):
+    with pytest.raises(category):
+        warnings.warn("olmo-chunks hygiene probe", category, stacklevel=1)
+
+
+def test_deprecations_are_errors_in_gloo_workers():
+    assert world.run(2, _warn, DeprecationWarning) == ["raised", "raised"]
+    assert world.run(2, _warn, FutureWarning) == ["raised", "raised"]
+
+
+def test_deprecations_are_errors_in_subprocesses():
+    code = ("import warnings\n"
+            "try:\n    warnings.warn('x', DeprecationWarning)\nexcept DeprecationWarning:\n    print('raised')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "raised"
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements-lock.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            m = re.fullmatch(r"([A-Za-z0-9._-]+)==([^\s;]+)", line)
+            assert m, f"requirements-lock.txt: not an exact pin: {line!r}"
+            pins[canonicalize_name(m.group(1))] = m.group(2)
+    return pins
+
+
+def test_every_requirement_is_pinned_and_satisfied_by_its_pin():
+    pins = _pins()
+    for line in (ROOT / "requirements-dev.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is in requirements-dev.txt but not pinned in requirements-lock.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (line, pins[name])
+    assert "olmo-chunks" not in pins  # the package itself is built from the tree, never pinned
+
+
+def test_env_sh_installs_under_the_lock_and_hashes_it():
+    env = (ROOT / "scripts" / "env.sh").read_text()
+    hash_line = next(line for line in env.splitlines() if line.startswith("HASH="))
+    assert "requirements-dev.txt" in hash_line and "requirements-lock.txt" in hash_line
+    installs = [line for line in env.splitlines() if "pip install" in line]
+    assert installs and all('-c "$ROOT/requirements-lock.txt"' in line for line in installs), installs
