@@ -1,16 +1,13 @@
 //! Parallel positional I/O: writing chunks with block checksums, and reading byte ranges of saved
 //! chunks straight into destination memory, verifying checksums on the way.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::IoSliceMut;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{CoreError, Result};
-use crate::fsutil::open_beneath;
-use crate::manifest::{block_count, sync_dir, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
+use crate::manifest::{block_count, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
+use crate::storage::{LocalFs, Object, Storage};
 
 /// Data offsets inside a file are multiples of this.
 pub const ALIGN: u64 = 64;
@@ -77,10 +74,21 @@ pub struct Written {
     pub checksums: Vec<u32>,
 }
 
-/// Writes `items` into the data files `rel_paths` (relative to `dir`, created fresh) with
-/// `workers` threads, fsyncs the files and their directories, and returns where each item went.
+/// [`write_chunks_to`] a local directory.
 pub fn write_chunks(
     dir: &Path,
+    rel_paths: &[String],
+    items: &[WriteItem<'_>],
+    block_size: u64,
+    workers: usize,
+) -> Result<(Vec<Written>, Vec<FileEntry>)> {
+    write_chunks_to(&LocalFs::new(dir), rel_paths, items, block_size, workers)
+}
+
+/// Writes `items` into the data objects `rel_paths` of `storage` (created fresh) with `workers`
+/// threads, makes them durable, and returns where each item went.
+pub fn write_chunks_to(
+    storage: &dyn Storage,
     rel_paths: &[String],
     items: &[WriteItem<'_>],
     block_size: u64,
@@ -109,21 +117,11 @@ pub fn write_chunks(
             checksums: vec![0; block_count(len, block_size) as usize],
         });
     }
-    let paths: Vec<PathBuf> = rel_paths.iter().map(|p| dir.join(p)).collect();
-    let mut files = Vec::with_capacity(paths.len());
-    for (path, &size) in paths.iter().zip(&sizes) {
-        if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent).map_err(|e| CoreError::io(parent, e))?;
-        }
-        let f = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(path);
-        let f = f.map_err(|e| CoreError::io(path, e))?;
-        f.set_len(size).map_err(|e| CoreError::io(path, e))?;
-        files.push(f);
-    }
+    let files = rel_paths
+        .iter()
+        .zip(&sizes)
+        .map(|(rel, &size)| storage.create(rel, size))
+        .collect::<Result<Vec<_>>>()?;
     let unit = MAX_UNIT.next_multiple_of(block_size);
     let mut work = Vec::new();
     for (i, it) in items.iter().enumerate() {
@@ -140,7 +138,7 @@ pub fn write_chunks(
         let data = &items[i].data[s as usize..e as usize];
         files[w.file as usize]
             .write_all_at(data, w.offset + s)
-            .map_err(|err| CoreError::io(&paths[w.file as usize], err))?;
+            .map_err(|err| CoreError::io(storage.name(&rel_paths[w.file as usize]), err))?;
         let mut local: Vec<(usize, usize, u32)> = Vec::new();
         for (k, block) in data.chunks(block_size as usize).enumerate() {
             local.push((i, (s / block_size) as usize + k, crc32c::crc32c(block)));
@@ -151,24 +149,11 @@ pub fn write_chunks(
     for (i, b, c) in crcs.into_inner().unwrap() {
         written[i].checksums[b] = c;
     }
-    let synced: Vec<(&File, &PathBuf)> = files.iter().zip(&paths).collect();
-    run_parallel(synced, workers, |(f, p)| {
-        f.sync_all().map_err(|e| CoreError::io(p, e))
+    let synced: Vec<(&Box<dyn Object>, &String)> = files.iter().zip(rel_paths).collect();
+    run_parallel(synced, workers, |(f, rel)| {
+        f.sync().map_err(|e| CoreError::io(storage.name(rel), e))
     })?;
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    for p in &paths {
-        let mut d = p.parent();
-        while let Some(x) = d {
-            if !x.starts_with(dir) || dirs.iter().any(|y| y == x) {
-                break;
-            }
-            dirs.push(x.to_path_buf());
-            d = x.parent();
-        }
-    }
-    for d in dirs {
-        sync_dir(&d)?;
-    }
+    storage.persist(&rel_paths.iter().map(String::as_str).collect::<Vec<_>>())?;
     let entries = rel_paths
         .iter()
         .zip(sizes)
@@ -228,6 +213,18 @@ fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
 pub fn read_into(
     dir: &Path,
     m: &Manifest,
+    copies: Vec<ByteCopy>,
+    dests: Vec<&mut [u8]>,
+    verify: bool,
+    workers: usize,
+) -> Result<()> {
+    read_from(&LocalFs::new(dir), m, copies, dests, verify, workers)
+}
+
+/// [`read_into`] from any storage.
+pub fn read_from(
+    storage: &dyn Storage,
+    m: &Manifest,
     mut copies: Vec<ByteCopy>,
     dests: Vec<&mut [u8]>,
     verify: bool,
@@ -268,25 +265,25 @@ pub fn read_into(
         rest[c.dst] = Some((c.dst_off + c.len, tail));
     }
     // Open and size-check every data file that is needed.
-    let mut files: Vec<Option<(File, PathBuf, u64)>> = (0..m.files.len()).map(|_| None).collect();
+    let mut files: Vec<Option<(Box<dyn Object>, PathBuf)>> =
+        (0..m.files.len()).map(|_| None).collect();
     for c in &copies {
         let ch = &m.chunks[c.chunk];
         let slot = &mut files[ch.file as usize];
         if slot.is_none() {
-            let (f, path, size) = open_data_file(dir, m, ch.file)?;
-            *slot = Some((f, path, size));
+            *slot = Some(open_data_file(storage, m, ch.file)?);
         }
-        let (_, path, size) = slot.as_ref().unwrap();
-        check_extent(m, c.chunk, path, *size)?;
+        let (f, path) = slot.as_ref().unwrap();
+        check_extent(m, c.chunk, path, f.size())?;
     }
     let units = make_units(m, &copies, slices);
     let job = |u: Unit<'_>| -> Result<()> {
         let ch = &m.chunks[u.chunk];
-        let (f, path, _) = files[ch.file as usize].as_ref().unwrap();
+        let (f, path) = files[ch.file as usize].as_ref().unwrap();
         let io_err = |e: std::io::Error| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {
                 let (key, chunk) = chunk_name(m, u.chunk);
-                let size = f.metadata().map_or(0, |md| md.len());
+                let size = f.size();
                 CoreError::Truncated {
                     path: path.clone(),
                     key,
@@ -297,10 +294,12 @@ pub fn read_into(
             }
             _ => CoreError::io(path, e),
         };
-        let read = |buf: &mut [u8]| f.read_exact_at(buf, ch.offset + u.start).map_err(io_err);
-        let read_vectored = |segs: &mut [&mut [u8]]| {
-            read_exact_vectored_at(f, segs, ch.offset + u.start).map_err(io_err)
+        let read = |buf: &mut [u8]| {
+            f.read_exact_at(&mut [buf], ch.offset + u.start)
+                .map_err(io_err)
         };
+        let read_vectored =
+            |segs: &mut [&mut [u8]]| f.read_exact_at(segs, ch.offset + u.start).map_err(io_err);
         let check = |segs: &[&[u8]]| {
             if verify {
                 check_blocks(m, u.chunk, ch, u.start, segs, path)
@@ -420,29 +419,6 @@ fn check_blocks(
     Ok(())
 }
 
-/// `read_exact_at` into several buffers at once (preadv), straight where the bytes belong.
-fn read_exact_vectored_at(
-    f: &File,
-    segs: &mut [&mut [u8]],
-    mut offset: u64,
-) -> std::io::Result<()> {
-    const IOV_MAX: usize = 1024;
-    let mut iov: Vec<IoSliceMut<'_>> = segs.iter_mut().map(|s| IoSliceMut::new(s)).collect();
-    let mut bufs: &mut [IoSliceMut<'_>] = &mut iov;
-    while !bufs.is_empty() {
-        let k = bufs.len().min(IOV_MAX);
-        let n = match rustix::io::preadv(f, &mut bufs[..k], offset) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => n,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        };
-        offset += n as u64;
-        IoSliceMut::advance_slices(&mut bufs, n);
-    }
-    Ok(())
-}
-
 /// Splits the needed bytes of every chunk into block-aligned units, cutting at the first and last
 /// whole block of each copy so that the interior of a large copy is read straight into place.
 fn make_units<'a>(
@@ -531,31 +507,42 @@ fn make_units<'a>(
     units
 }
 
-/// Opens data file `file` of `m` strictly beneath `dir` (see [`open_beneath`]); returns it with
-/// its path (for errors) and its size.
-fn open_data_file(dir: &Path, m: &Manifest, file: u32) -> Result<(File, PathBuf, u64)> {
-    let path = m.file_path(dir, file);
-    let f = open_beneath(dir, &m.files[file as usize].path)?;
-    let size = f.metadata().map_err(|e| CoreError::io(&path, e))?.len();
-    Ok((f, path, size))
+/// Opens data file `file` of `m`, with its name for errors.
+fn open_data_file(
+    storage: &dyn Storage,
+    m: &Manifest,
+    file: u32,
+) -> Result<(Box<dyn Object>, PathBuf)> {
+    let rel = &m.files[file as usize].path;
+    Ok((storage.open(rel)?, storage.name(rel)))
 }
 
-/// Streams every chunk of the checkpoint once and checks its block checksums and file extents.
-/// Returns the number of bytes verified; `progress`, when given, counts them up as units complete.
+/// [`verify_from`] a local directory.
 pub fn verify_all(
     dir: &Path,
     m: &Manifest,
     workers: usize,
     progress: Option<&AtomicU64>,
 ) -> Result<u64> {
+    verify_from(&LocalFs::new(dir), m, workers, progress)
+}
+
+/// Streams every chunk of the checkpoint once and checks its block checksums and file extents.
+/// Returns the number of bytes verified; `progress`, when given, counts them up as units complete.
+pub fn verify_from(
+    storage: &dyn Storage,
+    m: &Manifest,
+    workers: usize,
+    progress: Option<&AtomicU64>,
+) -> Result<u64> {
     let files = (0..m.files.len())
-        .map(|f| open_data_file(dir, m, f as u32))
+        .map(|f| open_data_file(storage, m, f as u32))
         .collect::<Result<Vec<_>>>()?;
     // Check every extent against the real file sizes first: the work list below is then bounded
     // by bytes that exist, not by sizes a manifest merely claims.
     for (c, ch) in m.chunks.iter().enumerate() {
-        let (_, path, size) = &files[ch.file as usize];
-        check_extent(m, c, path, *size)?;
+        let (f, path) = &files[ch.file as usize];
+        check_extent(m, c, path, f.size())?;
     }
     let unit_max = MAX_UNIT.next_multiple_of(m.block_size);
     let mut work = Vec::new();
@@ -569,20 +556,19 @@ pub fn verify_all(
     let total = work.iter().map(|w| w.2 - w.1).sum();
     run_parallel(work, workers, |(c, s, e)| {
         let ch = &m.chunks[c];
-        let (f, path, _) = &files[ch.file as usize];
+        let (f, path) = &files[ch.file as usize];
         with_scratch(|buf| {
             buf.resize((e - s) as usize, 0);
-            f.read_exact_at(buf, ch.offset + s)
+            f.read_exact_at(&mut [&mut buf[..]], ch.offset + s)
                 .map_err(|err| match err.kind() {
                     std::io::ErrorKind::UnexpectedEof => {
                         let (key, chunk) = chunk_name(m, c);
-                        let size = f.metadata().map(|md| md.len()).unwrap_or(0);
                         CoreError::Truncated {
                             path: path.clone(),
                             key,
                             chunk,
                             needed: ch.offset + e,
-                            size,
+                            size: f.size(),
                         }
                     }
                     _ => CoreError::io(path, err),

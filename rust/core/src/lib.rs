@@ -11,13 +11,18 @@ pub mod manifest;
 pub mod plan;
 pub mod region;
 pub mod save;
+pub mod storage;
 pub mod txn;
 
 pub use error::{CoreError, Result};
-pub use io::{default_workers, read_into, verify_all, write_chunks, ByteCopy, WriteItem, Written};
+pub use io::{
+    default_workers, read_from, read_into, verify_all, verify_from, write_chunks, write_chunks_to,
+    ByteCopy, WriteItem, Written,
+};
 pub use load::{check_manifest_coverage, plan_copies, plan_runs, Target};
 pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};
 pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};
 pub use save::{assemble_manifest, SavedChunk, TensorSchema};
+pub use storage::{IoCounters, LocalFs, Object, Storage};
 pub use txn::{SaveOptions, SaveTxn};

@@ -2,7 +2,6 @@
 //! table. `docs/FORMAT.md` is the normative description; keep the two in step.
 
 use std::fs::File;
-use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -361,7 +360,6 @@ impl Manifest {
 
     /// Reads the committed manifest of checkpoint directory `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
-        let path = dir.join(MANIFEST_NAME);
         let missing = |reason: String| CoreError::NotACheckpoint {
             path: dir.to_path_buf(),
             reason,
@@ -372,19 +370,24 @@ impl Manifest {
         if !dir.is_dir() {
             return Err(missing("not a directory".into()));
         }
-        // Like a data file: not through a symlink, and only a regular file (never a FIFO).
-        let mut f = match crate::fsutil::open_beneath(dir, MANIFEST_NAME) {
+        Self::open_from(&crate::storage::LocalFs::new(dir))
+    }
+
+    /// Reads the committed manifest at the root of `storage`: like a data object, only a regular
+    /// object, never through a symlink or from a FIFO.
+    pub fn open_from(storage: &dyn crate::storage::Storage) -> Result<Self> {
+        match storage.get(MANIFEST_NAME) {
             Err(CoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                return Err(missing(format!(
-                    "no committed manifest {MANIFEST_NAME:?} (an interrupted save never commits one)"
-                )))
+                Err(CoreError::NotACheckpoint {
+                    path: storage.name(""),
+                    reason: format!(
+                        "no committed manifest {MANIFEST_NAME:?} (an interrupted save never commits one)"
+                    ),
+                })
             }
-            other => other?,
-        };
-        let mut bytes = Vec::new();
-        f.read_to_end(&mut bytes)
-            .map_err(|e| CoreError::io(&path, e))?;
-        Self::decode(&bytes, &path)
+            Err(e) => Err(e),
+            Ok(bytes) => Self::decode(&bytes, &storage.name(MANIFEST_NAME)),
+        }
     }
 
     /// Absolute path of data file `file`.

@@ -1,0 +1,180 @@
+//! Where checkpoints live: the few operations saves and loads need from a storage, so that an
+//! object store is one more implementation rather than a rewrite. `LocalFs` implements them for
+//! local and shared filesystems. Byte counters live at this boundary: every byte read or written
+//! through a storage is counted in its `IoCounters`.
+//!
+//! The save transaction's lease and cleanup (`txn.rs`) are still local-filesystem operations.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{IoSliceMut, Read};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::error::{CoreError, Result};
+use crate::fsutil::open_beneath;
+use crate::manifest::sync_dir;
+
+/// Bytes moved through a storage, counted as they move.
+#[derive(Debug, Default)]
+pub struct IoCounters {
+    pub read: AtomicU64,
+    pub written: AtomicU64,
+}
+
+/// A data object open for positional I/O.
+pub trait Object: Send + Sync {
+    /// Size in bytes when opened.
+    fn size(&self) -> u64;
+    /// Fills `bufs`, in order, from bytes `offset..` (all of them, or an error; a short object is
+    /// `UnexpectedEof`).
+    fn read_exact_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> std::io::Result<()>;
+    /// Writes all of `data` at `offset`.
+    fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()>;
+    /// Makes what was written durable.
+    fn sync(&self) -> std::io::Result<()>;
+}
+
+/// A place checkpoints live in, addressed by paths relative to its root (`/`-separated).
+pub trait Storage: Send + Sync {
+    /// What `rel` is called in errors.
+    fn name(&self, rel: &str) -> PathBuf;
+    /// Opens object `rel` for reading. Refuses anything but a regular object strictly below the
+    /// root (no symbolic links, FIFOs or devices).
+    fn open(&self, rel: &str) -> Result<Box<dyn Object>>;
+    /// Reads small object `rel` whole (a manifest).
+    fn get(&self, rel: &str) -> Result<Vec<u8>>;
+    /// Creates object `rel` of `size` bytes, fresh, for writing.
+    fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>>;
+    /// Makes the created objects `rels` durable, with whatever names them (their directories).
+    fn persist(&self, rels: &[&str]) -> Result<()>;
+    /// The counters of bytes moved through this storage.
+    fn counters(&self) -> &Arc<IoCounters>;
+}
+
+/// A directory of a local or shared filesystem.
+pub struct LocalFs {
+    root: PathBuf,
+    counters: Arc<IoCounters>,
+}
+
+impl LocalFs {
+    pub fn new(root: &Path) -> Self {
+        LocalFs {
+            root: root.to_path_buf(),
+            counters: Arc::default(),
+        }
+    }
+}
+
+struct LocalObject {
+    file: File,
+    size: u64,
+    counters: Arc<IoCounters>,
+}
+
+impl Object for LocalObject {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_exact_at(&self, bufs: &mut [&mut [u8]], mut offset: u64) -> std::io::Result<()> {
+        const IOV_MAX: usize = 1024;
+        let mut iov: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|s| IoSliceMut::new(s)).collect();
+        let mut rest: &mut [IoSliceMut<'_>] = &mut iov;
+        while !rest.is_empty() {
+            let k = rest.len().min(IOV_MAX);
+            let n = match rustix::io::preadv(&self.file, &mut rest[..k], offset) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            self.counters.read.fetch_add(n as u64, Ordering::Relaxed);
+            offset += n as u64;
+            IoSliceMut::advance_slices(&mut rest, n);
+        }
+        Ok(())
+    }
+
+    fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        self.file.write_all_at(data, offset)?;
+        self.counters
+            .written
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn sync(&self) -> std::io::Result<()> {
+        self.file.sync_all()
+    }
+}
+
+impl Storage for LocalFs {
+    fn name(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    fn open(&self, rel: &str) -> Result<Box<dyn Object>> {
+        let file = open_beneath(&self.root, rel)?;
+        let size = file
+            .metadata()
+            .map_err(|e| CoreError::io(self.name(rel), e))?
+            .len();
+        Ok(Box::new(LocalObject {
+            file,
+            size,
+            counters: self.counters.clone(),
+        }))
+    }
+
+    fn get(&self, rel: &str) -> Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        open_beneath(&self.root, rel)?
+            .read_to_end(&mut bytes)
+            .map_err(|e| CoreError::io(self.name(rel), e))?;
+        self.counters
+            .read
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
+    fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>> {
+        let path = self.name(rel);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(|e| CoreError::io(parent, e))?;
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| CoreError::io(&path, e))?;
+        file.set_len(size).map_err(|e| CoreError::io(&path, e))?;
+        Ok(Box::new(LocalObject {
+            file,
+            size,
+            counters: self.counters.clone(),
+        }))
+    }
+
+    fn persist(&self, rels: &[&str]) -> Result<()> {
+        let mut dirs: Vec<PathBuf> = Vec::new();
+        for rel in rels {
+            let mut d = self.name(rel).parent().map(Path::to_path_buf);
+            while let Some(x) = d {
+                if !x.starts_with(&self.root) || dirs.contains(&x) {
+                    break;
+                }
+                d = x.parent().map(Path::to_path_buf);
+                dirs.push(x);
+            }
+        }
+        dirs.iter().try_for_each(|d| sync_dir(d))
+    }
+
+    fn counters(&self) -> &Arc<IoCounters> {
+        &self.counters
+    }
+}
