@@ -132,7 +132,7 @@ def plan_costs(m: Any, md: Any, tensors: list[tuple[str, tuple[int, int]]], load
     or runs (the native planner's contiguous element runs) each returns."""
     rows, cols = load_grid
     mine = {key: [grid_box(shape, rows, cols, rank)] for key, shape in tensors}
-    index = {t[0]: i for i, t in enumerate(m.tensors)}
+    index = {t.key: i for i, t in enumerate(m.tensors)}
     targets = []
     for key, _ in tensors:
         for o, s in mine[key]:

@@ -135,7 +135,7 @@ def main() -> None:
     path = os.path.join(root, "step1000")
     try:
         t_save, _ = run(args.save_ranks, "save", path, args.size_mb, args.save_layout)
-        nbytes = sum(t[5] for t in olmo_chunks._core.Manifest.open(path).tensors)
+        nbytes = sum(t.nbytes for t in olmo_chunks._core.Manifest.open(path).tensors)
         print(f"saved   {nbytes / 1e9:.3f} GB on {args.save_ranks} ranks ({args.save_layout}) in {t_save:.2f} s: "
               f"{nbytes / t_save / 1e9:.2f} GB/s (durable: data and manifest fsynced)")
         t_load, wrong = run(args.load_ranks, "load", path, args.size_mb, args.load_layout)

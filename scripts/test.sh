@@ -11,5 +11,7 @@ echo "[test] cargo test" >&2
 cargo test --release -q -p olmo-chunks-core
 echo "[test] ruff" >&2
 ruff check python tests benches examples
+echo "[test] stubtest (python/olmo_chunks/_core.pyi against the built extension)" >&2
+python -m mypy.stubtest olmo_chunks._core
 echo "[test] pytest" >&2
 python -m pytest -q -p no:cacheprovider "$@"

@@ -67,8 +67,8 @@ def manifest_path(path: Path) -> Path:
 
 
 def data_file(path: Path) -> Path:
-    (rel, _), = _core.Manifest.open(str(path)).files
-    return path / rel
+    (file,) = _core.Manifest.open(str(path)).files
+    return path / file.path
 
 
 def rewrite_manifest(path: Path, edit) -> None:

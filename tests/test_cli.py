@@ -53,10 +53,10 @@ def test_verify_ok(ckpt: Path):
 
 def test_verify_names_tensor_and_chunk_of_a_flipped_byte(ckpt: Path):
     m = _core.Manifest.open(str(ckpt))
-    keys = [t[0] for t in m.tensors]
+    keys = [t.key for t in m.tensors]
     t = keys.index("optim.w.exp_avg")
-    _, _, _, _, offset, _ = m.chunks(t)[0]
-    f = ckpt / m.files[0][0]
+    offset = m.chunks(t)[0].offset
+    f = ckpt / m.files[0].path
     data = bytearray(f.read_bytes())
     data[offset + 1500] ^= 0xFF
     f.write_bytes(bytes(data))

@@ -385,7 +385,7 @@ def test_dcp_save_loads_through_both_doors_resharded(tmp_path):
     path = str(tmp_path / "ckpt")
     world.run(4, dcp_save_worker, path)
     m = _core.Manifest.open(path)
-    roles = {key: role for key, _, _, role, _, _ in m.tensors}
+    roles = {t.key: t.role for t in m.tensors}
     assert roles == {
         "model.w": "main_weight",
         "model.m": "main_weight",
@@ -395,7 +395,7 @@ def test_dcp_save_loads_through_both_doors_resharded(tmp_path):
     }
     # replicated chunks are written once: exact coverage holds, so nothing is duplicated
     m.check_coverage()
-    assert sorted(f for f, _ in m.files) == [f"data/{m.save_id}/rank-{r:05d}.bin" for r in range(4)]
+    assert sorted(f.path for f in m.files) == [f"data/{m.save_id}/rank-{r:05d}.bin" for r in range(4)]
     for result in world.run(3, load_both_doors_worker, path):
         assert result == {"native": [], "dcp-default": [], "dcp-fast": []}
 
@@ -454,7 +454,7 @@ def test_flat_range_chunks_load_through_the_dcp_door(tmp_path):
     """Flat ranges are presented to DCP as the boxes they decompose into."""
     path = str(tmp_path / "ckpt")
     world.run(2, flat_save_worker, path)
-    kinds = {c[0] for c in _core.Manifest.open(path).chunks(0)}
+    kinds = {c.kind for c in _core.Manifest.open(path).chunks(0)}
     assert kinds == {"flat"}
     assert world.run(3, flat_dcp_load_worker, path) == [True, True, True]
 
@@ -648,7 +648,7 @@ def test_fsdp2_adamw_save_on_4_load_on_2_and_3(tmp_path):
     path = str(tmp_path / "fsdp")
     saved, after = world.run(4, fsdp_save_worker, path)[0]
     assert any(k.endswith("exp_avg_sq") for k in saved) and any(k.endswith(".step") for k in saved)
-    roles = {key: role for key, _, _, role, _, _ in _core.Manifest.open(path).tensors}
+    roles = {t.key: t.role for t in _core.Manifest.open(path).tensors}
     assert {roles[k] for k in roles if k.endswith(".exp_avg_sq")} == {"exp_avg_sq"}
     for n, fast in ((2, True), (3, False)):
         loaded, trained, groups = world.run(n, fsdp_load_worker, path, fast)[0]

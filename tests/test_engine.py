@@ -71,7 +71,11 @@ def test_written_chunks_and_schemas_are_typed_and_picklable(tmp_path: Path):
     schema = _core.TensorSchema("w", "float32", [12], "main_weight")
     assert pickle.loads(pickle.dumps(schema)) == schema
     m = txn.commit(1 << 20, [schema], [again], "{}", "{}")
-    assert m.tensors == [("w", "float32", [12], "main_weight", 1, 48)]
+    assert m.tensors == [_core.TensorInfo("w", "float32", [12], "main_weight", 1, 48)]
+    assert m.tensors[0].nbytes == 48 and m.tensors[0].chunks == 1
+    (c,) = m.chunks(0)
+    assert (c.kind, c.offsets, c.sizes, c.file, c.offset, c.nbytes) == ("flat", [0], [12], 0, 0, 48)
+    assert m.files[0].path == chunk.file and m.files[0].size == chunk.file_size
     out = {"w": torch.zeros(12)}
     olmo_chunks.load(out, tmp_path / "c")
     assert torch.equal(out["w"], data)

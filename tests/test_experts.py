@@ -213,7 +213,7 @@ def test_reshard_named_cases(tmp_path, spec_a, spec_b, num_experts):
 
 
 def _manifest_roles(path):
-    return {t[0]: (t[2], t[3]) for t in oc._core.Manifest.open(path).tensors}
+    return {t.key: (t.shape, t.role) for t in oc._core.Manifest.open(path).tensors}
 
 
 def test_saved_shape_and_roles(tmp_path):
@@ -225,7 +225,7 @@ def test_saved_shape_and_roles(tmp_path):
     }
     # Two EP-MP blocks, each in two EP-DP shards.
     m = oc._core.Manifest.open(path)
-    assert [c[0] for c in m.chunks(0)] == ["flat"] * 4
+    assert [c.kind for c in m.chunks(0)] == ["flat"] * 4
 
 
 def _load_other_model(path, num_experts, role):

@@ -237,13 +237,13 @@ def test_moments_are_never_read(moe, tmp_path):
     ckpt = tmp_path / "native"
     shutil.copytree(root / "native", ckpt)
     m = _core.Manifest.open(str(ckpt))
-    files = [f for f, _ in m.files]
-    for i, (key, *_rest) in enumerate(m.tensors):
-        if key.endswith(("exp_avg", "exp_avg_sq")):
-            for _kind, _a, _b, fi, off, n in m.chunks(i):
-                with open(ckpt / files[fi], "r+b") as f:
-                    f.seek(off)
-                    f.write(b"\xff" * n)
+    files = [f.path for f in m.files]
+    for i, t in enumerate(m.tensors):
+        if t.key.endswith(("exp_avg", "exp_avg_sq")):
+            for c in m.chunks(i):
+                with open(ckpt / files[c.file], "r+b") as f:
+                    f.seek(c.offset)
+                    f.write(b"\xff" * c.nbytes)
     with pytest.raises(olmo_chunks.errors.ChecksumError):
         m.verify_data()
     export_checkpoint(ckpt, tmp_path / "hf", config=root / "oracle" / "config.json")
@@ -573,7 +573,7 @@ def test_transformers_round_trip_identical_logits(transformers, tmp_path, kind):
     model.save_pretrained(tmp_path / "orig")
     assert main(["import-hf", str(tmp_path / "orig"), str(tmp_path / "native")]) == 0
     m = _core.Manifest.open(str(tmp_path / "native"))
-    shapes = {k: s for k, _, s, *_ in m.tensors}
+    shapes = {t.key: t.shape for t in m.tensors}
     assert shapes["model.embeddings.weight"] == [VP, D]  # padded to a multiple of 128
     assert (
         main(

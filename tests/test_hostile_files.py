@@ -50,8 +50,8 @@ def ckpt(tmp_path: Path) -> Path:
 
 
 def data_file(path: Path) -> Path:
-    ((rel, _),) = _core.Manifest.open(str(path)).files
-    return path / rel
+    (file,) = _core.Manifest.open(str(path)).files
+    return path / file.path
 
 
 def verify(path: Path) -> int:

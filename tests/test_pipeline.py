@@ -81,7 +81,7 @@ def _load(path, pp):
 def test_pp2_checkpoint_loads_on_other_pp(tmp_path, load_pp):
     path = str(tmp_path / "ck")
     world.run(4, _save, path, 2)
-    tensors = {t[0] for t in oc._core.Manifest.open(path).tensors}
+    tensors = {t.key for t in oc._core.Manifest.open(path).tensors}
     assert tensors == {f"model.layers.{i}.w" for i in range(LAYERS)}  # global names, no stage ids
     out = world.run(4, _load, path, load_pp)
     loaded = [set(r[0]) for r in out]

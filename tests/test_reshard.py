@@ -140,8 +140,8 @@ def test_replicated_chunks_are_written_once_and_balanced(tmp_path):
     tensors = {f"r{i}": ((64, 16), "float32", i, (4,), (("R",),)) for i in range(4)}
     world.run(4, save_layout, path, tensors, None)
     m = olmo_chunks._core.Manifest.open(path)
-    assert [t[4] for t in m.tensors] == [1, 1, 1, 1]
-    sizes = [size for _, size in m.files]
+    assert [t.chunks for t in m.tensors] == [1, 1, 1, 1]
+    sizes = [f.size for f in m.files]
     # Four equal replicated tensors over four replicas: one per rank, each written once.
     assert len(sizes) == 4 and sum(sizes) == 4 * 64 * 16 * 4
     assert world.run(4, load_and_check, path, tensors, None) == [[]] * 4
@@ -159,4 +159,4 @@ def test_1d_mesh_on_2d_mesh_shard_grid(tmp_path):
     world.run(4, save_layout, path2, grid, None)
     assert world.run(3, load_and_check, path2, col, None) == [[]] * 3
     m = olmo_chunks._core.Manifest.open(path2)
-    assert m.tensors[0][4] == 4 and math.prod(shape) * 4 == m.tensors[0][5]
+    assert m.tensors[0].chunks == 4 and math.prod(shape) * 4 == m.tensors[0].nbytes

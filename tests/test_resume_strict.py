@@ -55,7 +55,7 @@ def _plain(sd: dict) -> dict:
 def _save_then_load_strict(path: str) -> dict:
     ts = TrainerState(**EXAMPLE)
     olmo_chunks.save({**_model_and_optim(), **ts.state_dict(layout=LAYOUT)}, path)
-    saved_keys = {t[0] for t in _core.Manifest.open(path).tensors}
+    saved_keys = {t.key for t in _core.Manifest.open(path).tensors}
 
     dest = {**_model_and_optim(fill=-1.0), **TrainerState().state_dict(layout=LAYOUT)}
     report = olmo_chunks.load(dest, path)  # strict=True is the default

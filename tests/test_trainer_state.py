@@ -68,7 +68,7 @@ def test_single_process_save_load(tmp_path):
 def test_saved_entries_and_roles(tmp_path):
     path = tmp_path / "ck"
     oc.save(sample_state().state_dict(), path)
-    tensors = {t[0]: (t[1], t[3]) for t in oc._core.Manifest.open(str(path)).tensors}
+    tensors = {t.key: (t.dtype, t.role) for t in oc._core.Manifest.open(str(path)).tensors}
     assert tensors["trainer.rng.rank00000.torch"] == ("uint8", roles.TRAINER_STATE)
     assert set(tensors) == {"trainer.rng.rank00000.torch"} | (
         {f"trainer.rng.rank00000.cuda.{i}" for i in range(torch.cuda.device_count())}

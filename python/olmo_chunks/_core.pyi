@@ -1,6 +1,23 @@
 """Native core of olmo-chunks (Rust). Private: use `olmo_chunks.save` / `load` and the CLI."""
 
 from collections.abc import Callable
+from typing import Self, final
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "ChunkInfo",
+    "FileInfo",
+    "Manifest",
+    "SaveTransaction",
+    "TensorInfo",
+    "TensorSchema",
+    "WrittenChunk",
+    "box_overlaps",
+    "flat_pieces",
+    "write_chunks",
+]
 
 FORMAT_VERSION: int
 MANIFEST_NAME: str
@@ -8,8 +25,60 @@ DEFAULT_BLOCK_SIZE: int
 
 # (offsets, sizes, local_start, strides): a box of the global tensor and its affine map to local
 # element offsets.
-Piece = tuple[list[int], list[int], int, list[int]]
+_Piece = tuple[list[int], list[int], int, list[int]]
 
+@final
+class FileInfo:
+    """A data file of a checkpoint: its path below the checkpoint and its size."""
+
+    def __new__(cls, path: str, size: int) -> Self: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+
+@final
+class TensorInfo:
+    """A saved tensor: its schema, how many chunks hold it and their bytes."""
+
+    def __new__(
+        cls, key: str, dtype: str, shape: list[int], role: str, chunks: int, nbytes: int
+    ) -> Self: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
+class ChunkInfo:
+    """A saved chunk: its region (kind "box" with offsets/sizes, or "flat" with [start]/[len]) and
+    `nbytes` bytes at `offset` of data file `file` (an index into `Manifest.files`)."""
+
+    def __new__(
+        cls, kind: str, offsets: list[int], sizes: list[int], file: int, offset: int, nbytes: int
+    ) -> Self: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def sizes(self) -> list[int]: ...
+    @property
+    def file(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
 class Manifest:
     @staticmethod
     def open(path: str) -> Manifest: ...
@@ -22,29 +91,31 @@ class Manifest:
     @property
     def num_chunks(self) -> int: ...
     @property
-    def files(self) -> list[tuple[str, int]]: ...
+    def files(self) -> list[FileInfo]: ...
     @property
-    def tensors(self) -> list[tuple[str, str, list[int], str, int, int]]: ...
+    def tensors(self) -> list[TensorInfo]: ...
     @property
     def entries_json(self) -> str: ...
     @property
     def info_json(self) -> str: ...
-    def chunks(self, t: int) -> list[tuple[str, list[int], list[int], int, int, int]]: ...
+    def chunks(self, t: int) -> list[ChunkInfo]: ...
     def check_coverage(self) -> None: ...
     def verify_data(self, workers: int | None = None, progress: Callable[[int], object] | None = None) -> int: ...
-    def plan_runs(self, targets: list[tuple[int, list[Piece]]]) -> list[tuple[int, int, int, int, int]]: ...
+    def plan_runs(self, targets: list[tuple[int, list[_Piece]]]) -> list[tuple[int, int, int, int, int]]: ...
     def load(
         self,
-        targets: list[tuple[int, list[Piece], int]],
+        targets: list[tuple[int, list[_Piece], int]],
         buffers: list[tuple[int, int]],
         verify: bool = True,
         workers: int | None = None,
     ) -> None: ...
 
-def flat_pieces(shape: list[int], start: int, len: int) -> list[Piece]: ...
+def flat_pieces(shape: list[int], start: int, len: int) -> list[_Piece]: ...
 def box_overlaps(
     tensors: list[tuple[int, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]],
 ) -> list[list[tuple[int, int, list[int], list[int]]]]: ...
+
+@final
 class TensorSchema:
     """A global tensor as a save describes it."""
 
@@ -52,8 +123,9 @@ class TensorSchema:
     dtype: str
     shape: list[int]
     role: str
-    def __init__(self, key: str, dtype: str, shape: list[int], role: str) -> None: ...
+    def __new__(cls, key: str, dtype: str, shape: list[int], role: str) -> Self: ...
 
+@final
 class WrittenChunk:
     """One chunk a rank wrote: its region of tensor `key` and where its bytes lie (picklable)."""
 
@@ -66,8 +138,8 @@ class WrittenChunk:
     offset: int
     nbytes: int
     checksums: list[int]
-    def __init__(
-        self,
+    def __new__(
+        cls,
         key: str,
         kind: str,
         offsets: list[int],
@@ -77,7 +149,7 @@ class WrittenChunk:
         offset: int,
         nbytes: int,
         checksums: list[int],
-    ) -> None: ...
+    ) -> Self: ...
 
 def write_chunks(
     dir: str,
@@ -87,6 +159,7 @@ def write_chunks(
     workers: int | None = None,
 ) -> list[WrittenChunk]: ...
 
+@final
 class SaveTransaction:
     """One save into a checkpoint directory: its lease, the save id, then commit or abort."""
 

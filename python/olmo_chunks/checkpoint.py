@@ -259,7 +259,7 @@ def load(
         manifest = _core.Manifest.open(str(local_path(path)))
         leaves = flatten(state_dict)
         shards = _describe_all(leaves, roles)
-        saved = {t[0]: (i, t) for i, t in enumerate(manifest.tensors)}
+        saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
         entries = values.entries(manifest)
         report = LoadReport()
         for key, leaf in leaves.items():
@@ -270,7 +270,8 @@ def load(
                         f"{key}: a tensor here, {where} in the checkpoint")
                     continue
                 s = shards[key]
-                _, (_, dtype, shape, role, _, _) = saved[key]
+                info = saved[key][1]
+                dtype, shape, role = info.dtype, info.shape, info.role
                 want = (dtype_name(s.dtype), list(s.shape), s.role)
                 if want != (dtype, list(shape), role):
                     report.mismatched.append(

@@ -113,14 +113,14 @@ def summarize(path: str) -> dict:
     tensors = []
     by_role: dict[str, int] = {}
     params = 0
-    for key, dtype, shape, role, nchunks, nbytes in m.tensors:
+    for t in m.tensors:
         numel = 1
-        for d in shape:
+        for d in t.shape:
             numel *= d
-        tensors.append({"key": key, "role": role, "dtype": dtype, "shape": list(shape), "chunks": nchunks,
-                        "bytes": nbytes})
-        by_role[role] = by_role.get(role, 0) + nbytes
-        if role == MAIN_WEIGHT:
+        tensors.append({"key": t.key, "role": t.role, "dtype": t.dtype, "shape": list(t.shape),
+                        "chunks": t.chunks, "bytes": t.nbytes})
+        by_role[t.role] = by_role.get(t.role, 0) + t.nbytes
+        if t.role == MAIN_WEIGHT:
             params += numel
     total = sum(by_role.values())
     order = [r for r in ROLES if r in by_role] + sorted(set(by_role) - set(ROLES))
@@ -177,7 +177,7 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace) -> int:
     m = _core.Manifest.open(args.path)
     m.check_coverage()
-    with _progress("verify", sum(t[5] for t in m.tensors)) as update:
+    with _progress("verify", sum(t.nbytes for t in m.tensors)) as update:
         t0 = time.perf_counter()
         n = m.verify_data(args.workers, progress=update)
         dt = time.perf_counter() - t0

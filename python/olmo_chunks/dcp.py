@@ -503,7 +503,7 @@ class ChunkStoreReader(StorageReader):
                     "ChunkStoreReader: no path (pass one, or checkpoint_id to dcp.load)"
                 )
             m = _core.Manifest.open(str(self.path))
-            self._tensors = {key: (i, torch_dtype(dtype)) for i, (key, dtype, *_) in enumerate(m.tensors)}
+            self._tensors = {t.key: (i, torch_dtype(t.dtype)) for i, t in enumerate(m.tensors)}
             self._values, self._value_paths = {}, {}
             for key, enc in values.entries(m).items():
                 for fqn, (path, v) in dcp_leaves(key, values.decode(enc, key)).items():
@@ -515,17 +515,17 @@ class ChunkStoreReader(StorageReader):
         self._manifest = None  # every load starts from the manifest committed now
         m = self._open()
         md: dict[str, Any] = {}
-        for i, (key, dtype, shape, _role, _n, _b) in enumerate(m.tensors):
+        for i, t in enumerate(m.tensors):
             chunks = []
-            for kind, a, b, *_ in m.chunks(i):
-                if kind == "box":
-                    if 0 not in b:
-                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(a), sizes=torch.Size(b)))
+            for c in m.chunks(i):
+                if c.kind == "box":
+                    if 0 not in c.sizes:
+                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)))
                 else:  # a flat range, presented as the boxes it decomposes into
-                    for offs, sizes, _, _ in _core.flat_pieces(list(shape), a[0], b[0]):
+                    for offs, sizes, _, _ in _core.flat_pieces(list(t.shape), c.offsets[0], c.sizes[0]):
                         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
-            md[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype(dtype)), size=torch.Size(shape), chunks=chunks
+            md[t.key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape), chunks=chunks
             )
         paths: dict[str, tuple] = {}
         for fqn, path in self._value_paths.items():

@@ -500,10 +500,11 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
     not raised."""
     problems: list[str] = []
     entries_raw = values.entries(manifest)
-    saved = {t[0]: (i, t) for i, t in enumerate(manifest.tensors)}
+    saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
     ignored: dict[str, int] = {}
     candidates: dict[str, list[tuple[int, str]]] = {}
-    for key, (_, (_, _, _, role, _, _)) in saved.items():
+    for key, (_, info) in saved.items():
+        role = info.role
         if role not in roles:
             ignored[role] = ignored.get(role, 0) + 1
             continue
@@ -520,16 +521,17 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
         cands.sort()
         keys = [k for _, k in cands]
         data_key = keys[0]
-        i, (_, dtype, sshape, _, _, _) = saved[data_key]
-        shaped = [tuple(saved[k][1][2]) for k in keys if len(saved[k][1][2]) != 1] or [tuple(sshape)]
+        i, info = saved[data_key]
+        dtype, sshape = info.dtype, info.shape
+        shaped = [tuple(saved[k][1].shape) for k in keys if len(saved[k][1].shape) != 1] or [tuple(sshape)]
         logical = shaped[0]
-        bad = [k for k in keys if _numel(saved[k][1][2]) != _numel(logical)]
+        bad = [k for k in keys if _numel(saved[k][1].shape) != _numel(logical)]
         if bad:
             problems.append(f"{name}: saved as {', '.join(keys)} with different element counts")
             continue
         kinds: dict[str, int] = {}
         for ch in manifest.chunks(i):
-            kinds[ch[0]] = kinds.get(ch[0], 0) + 1
+            kinds[ch.kind] = kinds.get(ch.kind, 0) + 1
         sources[name] = NativeSource(
             name, data_key, i, torch_dtype(dtype), tuple(sshape), logical, keys[1:], kinds
         )
@@ -586,13 +588,14 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
 def plan_identity(manifest: Any, roles: Sequence[str]) -> TensorPlan:
     """Every saved tensor of the given roles under its own name, unchanged."""
     entries, ignored = [], {}
-    for i, (key, dtype, shape, role, _, _) in enumerate(manifest.tensors):
+    for i, t in enumerate(manifest.tensors):
+        key, dtype, shape, role = t.key, t.dtype, t.shape, t.role
         if role not in roles:
             ignored[role] = ignored.get(role, 0) + 1
             continue
         kinds: dict[str, int] = {}
         for ch in manifest.chunks(i):
-            kinds[ch[0]] = kinds.get(ch[0], 0) + 1
+            kinds[ch.kind] = kinds.get(ch.kind, 0) + 1
         src = NativeSource(key, key, i, torch_dtype(dtype), tuple(shape), tuple(shape), [], kinds)
         entries.append(Planned(key, key, [], [tuple(shape)], src, "identity"))
     return TensorPlan(entries, [], None, None, {}, ignored=ignored)

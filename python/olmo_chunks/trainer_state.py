@@ -173,7 +173,7 @@ def load_trainer_state(
         state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS})
         saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
         prefix = f"{RNG_PREFIX}{_rank_key(group.rank)}."
-        shapes = {t[0][len(prefix):]: t[2] for t in manifest.tensors if t[0].startswith(prefix)}
+        shapes = {t.key[len(prefix):]: t.shape for t in manifest.tensors if t.key.startswith(prefix)}
         mine = None
         if saved_layout == here and "torch" in shapes:
             cuda = sorted(int(k.split(".")[1]) for k in shapes if k.startswith("cuda."))

@@ -86,13 +86,6 @@ fn as_slices<'a>(raw: &[(usize, usize)]) -> Result<Vec<&'a mut [u8]>, CoreError>
         .collect())
 }
 
-fn region_to_py<'py>(py: Python<'py>, r: &Region) -> PyResult<Bound<'py, PyTuple>> {
-    match r {
-        Region::Box { offsets, sizes } => ("box", offsets.clone(), sizes.clone()).into_pyobject(py),
-        Region::Flat { start, len } => ("flat", vec![*start], vec![*len]).into_pyobject(py),
-    }
-}
-
 fn region_from_py(kind: &str, a: Vec<u64>, b: Vec<u64>) -> Result<Region, CoreError> {
     match (kind, a.as_slice(), b.as_slice()) {
         ("box", _, _) => Ok(Region::Box {
@@ -150,32 +143,32 @@ impl PyManifest {
     fn num_chunks(&self) -> usize {
         self.inner.chunks.len()
     }
-    /// `(path, size)` of every data file.
+    /// Every data file, in manifest order (a chunk's `file` indexes this list).
     #[getter]
-    fn files(&self) -> Vec<(String, u64)> {
+    fn files(&self) -> Vec<PyFileInfo> {
         self.inner
             .files
             .iter()
-            .map(|f| (f.path.clone(), f.size))
+            .map(|f| PyFileInfo {
+                path: f.path.clone(),
+                size: f.size,
+            })
             .collect()
     }
-    /// `(key, dtype, shape, role, chunk_count, nbytes)` of every tensor, in manifest order.
+    /// Every tensor, in manifest order (its position is the `t` of `chunks(t)`).
     #[getter]
-    fn tensors(&self) -> Vec<(String, String, Vec<u64>, String, usize, u64)> {
+    fn tensors(&self) -> Vec<PyTensorInfo> {
         let m = &self.inner;
         m.tensors
             .iter()
             .enumerate()
-            .map(|(i, t)| {
-                let nbytes = m.tensor_chunks(i).iter().map(|c| c.len).sum();
-                (
-                    t.key.clone(),
-                    t.dtype.clone(),
-                    t.shape.clone(),
-                    t.role.clone(),
-                    t.chunks,
-                    nbytes,
-                )
+            .map(|(i, t)| PyTensorInfo {
+                key: t.key.clone(),
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+                role: t.role.clone(),
+                chunks: t.chunks,
+                nbytes: m.tensor_chunks(i).iter().map(|c| c.len).sum(),
             })
             .collect()
     }
@@ -187,31 +180,34 @@ impl PyManifest {
     fn info_json(&self) -> String {
         self.inner.info.get().to_string()
     }
-    /// `(kind, a, b, file, offset, nbytes)` for each saved chunk of tensor `t`: kind "box" with
-    /// offsets/sizes, or "flat" with `[start]`/`[len]`.
-    fn chunks<'py>(&self, py: Python<'py>, t: usize) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    /// Each saved chunk of tensor `t`: kind "box" with offsets/sizes, or "flat" with
+    /// `[start]`/`[len]`, and where its bytes lie.
+    fn chunks(&self, py: Python<'_>, t: usize) -> PyResult<Vec<PyChunkInfo>> {
         if t >= self.inner.tensors.len() {
             return Err(to_pyerr(
                 py,
                 CoreError::InvalidArgument(format!("tensor index {t} out of range")),
             ));
         }
-        self.inner
+        Ok(self
+            .inner
             .tensor_chunks(t)
             .iter()
             .map(|c| {
-                let r = region_to_py(py, &c.region)?;
-                (
-                    r.get_item(0)?,
-                    r.get_item(1)?,
-                    r.get_item(2)?,
-                    c.file,
-                    c.offset,
-                    c.len,
-                )
-                    .into_pyobject(py)
+                let (kind, offsets, sizes) = match &c.region {
+                    Region::Box { offsets, sizes } => ("box", offsets.clone(), sizes.clone()),
+                    Region::Flat { start, len } => ("flat", vec![*start], vec![*len]),
+                };
+                PyChunkInfo {
+                    kind: kind.to_string(),
+                    offsets,
+                    sizes,
+                    file: c.file,
+                    offset: c.offset,
+                    nbytes: c.len,
+                }
             })
-            .collect()
+            .collect())
     }
     /// Checks that every tensor is covered by its chunks exactly once.
     fn check_coverage(&self, py: Python<'_>) -> PyResult<()> {
@@ -377,6 +373,116 @@ fn box_overlaps(
             })
             .collect()
     })
+}
+
+/// A data file of a checkpoint (`Manifest.files`): its path below the checkpoint and its size.
+#[pyclass(name = "FileInfo", module = "olmo_chunks._core", frozen, get_all)]
+#[derive(Clone, PartialEq)]
+struct PyFileInfo {
+    path: String,
+    size: u64,
+}
+
+#[pymethods]
+impl PyFileInfo {
+    #[new]
+    fn new(path: String, size: u64) -> Self {
+        PyFileInfo { path, size }
+    }
+    fn __eq__(&self, other: &Self) -> bool {
+        self == other
+    }
+    fn __repr__(&self) -> String {
+        format!("FileInfo(path={:?}, size={})", self.path, self.size)
+    }
+}
+
+/// A saved tensor (`Manifest.tensors`): its schema, how many chunks hold it and their bytes.
+#[pyclass(name = "TensorInfo", module = "olmo_chunks._core", frozen, get_all)]
+#[derive(Clone, PartialEq)]
+struct PyTensorInfo {
+    key: String,
+    dtype: String,
+    shape: Vec<u64>,
+    role: String,
+    chunks: usize,
+    nbytes: u64,
+}
+
+#[pymethods]
+impl PyTensorInfo {
+    #[new]
+    fn new(
+        key: String,
+        dtype: String,
+        shape: Vec<u64>,
+        role: String,
+        chunks: usize,
+        nbytes: u64,
+    ) -> Self {
+        PyTensorInfo {
+            key,
+            dtype,
+            shape,
+            role,
+            chunks,
+            nbytes,
+        }
+    }
+    fn __eq__(&self, other: &Self) -> bool {
+        self == other
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "TensorInfo(key={:?}, dtype={:?}, shape={:?}, role={:?}, chunks={}, nbytes={})",
+            self.key, self.dtype, self.shape, self.role, self.chunks, self.nbytes
+        )
+    }
+}
+
+/// A saved chunk of a tensor (`Manifest.chunks(t)`): its region (`kind` "box" with
+/// `offsets`/`sizes`, or "flat" with `[start]`/`[len]`), and `nbytes` bytes at `offset` of data
+/// file `file` (an index into `Manifest.files`).
+#[pyclass(name = "ChunkInfo", module = "olmo_chunks._core", frozen, get_all)]
+#[derive(Clone, PartialEq)]
+struct PyChunkInfo {
+    kind: String,
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
+    file: u32,
+    offset: u64,
+    nbytes: u64,
+}
+
+#[pymethods]
+impl PyChunkInfo {
+    #[new]
+    fn new(
+        kind: String,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+        file: u32,
+        offset: u64,
+        nbytes: u64,
+    ) -> Self {
+        PyChunkInfo {
+            kind,
+            offsets,
+            sizes,
+            file,
+            offset,
+            nbytes,
+        }
+    }
+    fn __eq__(&self, other: &Self) -> bool {
+        self == other
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "ChunkInfo(kind={:?}, offsets={:?}, sizes={:?}, file={}, offset={}, nbytes={})",
+            self.kind, self.offsets, self.sizes, self.file, self.offset, self.nbytes
+        )
+    }
 }
 
 /// A global tensor as a save describes it (`olmo_chunks._core.TensorSchema`).
@@ -648,6 +754,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySaveTransaction>()?;
     m.add_class::<PyTensorSchema>()?;
     m.add_class::<PyWrittenChunk>()?;
+    m.add_class::<PyFileInfo>()?;
+    m.add_class::<PyTensorInfo>()?;
+    m.add_class::<PyChunkInfo>()?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
