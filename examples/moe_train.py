@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -259,6 +260,12 @@ class Trainer:
         oc.save({**self.state_dict(), **self.state.state_dict(layout=self.layout_info())}, path,
                 info={"layout": self.layout_info()}, overwrite=True)
 
+    def save_async(self, path: str) -> Future[None]:
+        """Starts a save of the state as it is now; training may go on at once (the next step
+        overwrites the optimizer storage the expert flat views alias: the save holds this step's)."""
+        return oc.async_save({**self.state_dict(), **self.state.state_dict(layout=self.layout_info())}, path,
+                             info={"layout": self.layout_info()}, overwrite=True)
+
     def load(self, path: str) -> str:
         """Restores everything this rank owns from `path`; returns the RNG outcome."""
         oc.load(self.state_dict(), path, partial=True)
@@ -427,6 +434,8 @@ def main() -> None:
     ap.add_argument("--layout", default="1,1,1", help="pp,ep_mp,ep_dp")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--save", help="checkpoint directory to save to after training")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also checkpoint asynchronously every N steps, to SAVE/stepN, while training goes on")
     ap.add_argument("--resume", help="checkpoint directory to resume from")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -436,10 +445,15 @@ def main() -> None:
         rng = trainer.load(args.resume)
         if trainer.rank == 0:
             print(f"resumed at step {trainer.state.step} on {layout} (RNG {rng})")
+    pending = None
     for _ in range(args.steps):
         loss = trainer.train_step()
         if trainer.rank == 0:
             print(f"step {trainer.state.step}: loss {loss:.6f}")
+        if args.save and args.save_every and trainer.state.step % args.save_every == 0:
+            pending = trainer.save_async(f"{args.save}/step{trainer.state.step}")  # waits for the last one
+    if pending is not None:
+        pending.result()
     if args.save:
         trainer.save(args.save)
     dist.destroy_process_group()

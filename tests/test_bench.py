@@ -44,7 +44,9 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
         (w, m) for w in saved for m in ("native", "dcp", "raw")}
     assert {(r["where"], r["method"]) for r in res["load"]} == {
         (name, m) for name, _, _ in bench.PAIRS for m in contenders | {"raw", "native-noverify"}}
-    for row in res["save"] + res["stage"] + res["load"]:
+    assert {(r["where"], r["method"]) for r in res["stall"]} == {
+        (w, m) for w in saved for m in ("raw", "native", "native-async", "dcp-async")}
+    for row in res["save"] + res["stage"] + res["stall"] + res["load"]:
         assert len(row["seconds"]) == 1
         assert row["best_s"] > 0 and math.isfinite(row["gbps"]) and row["gbps"] > 0
         assert row["peak_extra_rss_mib"] >= 0
@@ -58,6 +60,7 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
     table = bench.format_table(res)
     for name, a, _ in bench.PAIRS:
         assert name in table and a.label in table
+    assert "olmo_chunks async_save" in table and "DCP async_save" in table
     for label in ("olmo_chunks native", "olmo_chunks native, verify=False", "olmo_chunks via DCP",
                   "DCP FileSystemWriter t=2", "DCP FileSystemReader", "roofline: raw read", "roofline: raw write+fsync",
                   "DCP DefaultStager", "warm page cache"):

@@ -136,3 +136,26 @@ def test_inspect_shows_12p_breakdown(saved):
     text = out.getvalue()
     for role in (roles.MAIN_WEIGHT, roles.EXP_AVG, roles.EXP_AVG_SQ):
         assert any(line.split()[:1] == [role] and line.endswith("4.00P") for line in text.splitlines())
+
+
+def _async_while_training(root):
+    """An async save at step 2, then training goes on (overwriting the aliased optimizer storage):
+    the checkpoint equals a synchronous save taken at the same step."""
+    run = Trainer(CFG, SAVED_ON)
+    for _ in range(STEPS_BEFORE):
+        run.train_step()
+    run.save(f"{root}/sync")
+    fut = run.save_async(f"{root}/async")
+    run.train_step()
+    fut.result(timeout=120)
+    a = Trainer(CFG, SAVED_ON, init=False)
+    a.load(f"{root}/async")
+    b = Trainer(CFG, SAVED_ON, init=False)
+    b.load(f"{root}/sync")
+    return global_state(a), global_state(b)
+
+
+def test_async_save_while_training_holds_the_step_it_was_called_at(tmp_path):
+    got, want = world.run(4, _async_while_training, str(tmp_path), timeout=300)[0]
+    assert_same_state(got, want)
+

@@ -23,6 +23,7 @@ _LAZY = {
     "LoadReport": "checkpoint",
     "load": "checkpoint",
     "save": "checkpoint",
+    "async_save": "background",
     "TrainerState": "trainer_state",
     "load_trainer_state": "trainer_state",
     "compute_weights": "weights",
@@ -49,11 +50,13 @@ __all__ = [
     "load_trainer_state",
     "roles",
     "save",
+    "async_save",
     *errors.__all__,
 ]
 
 if TYPE_CHECKING:
     from ._core import FORMAT_VERSION, MANIFEST_NAME
+    from .background import async_save
     from .checkpoint import LoadReport, load, save
     from .experts import ExpertFlatView, ExpertLayout
     from .shards import ChunkSource, TensorShard

@@ -381,6 +381,35 @@ def _stage_step(method: str, held: _Held | None, nbytes: int, raw_buf: torch.Ten
     return timed(lambda: out.copy_(raw_buf[:nbytes]))
 
 
+def _stall_step(method: str, held: _Held | None, path: str, nbytes: int, raw_buf: torch.Tensor,
+                group: Any) -> float:
+    """Seconds a save keeps training from going on: the whole save when synchronous, until the
+    call returns when asynchronous (the background write is then awaited, untimed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from . import checkpoint
+    from .background import async_save
+
+    pending: list[Any] = []
+    if held is None:
+        seconds = timed(lambda: None)
+    elif method == "raw":
+        out = torch.zeros(nbytes, dtype=torch.uint8)
+        seconds = timed(lambda: out.copy_(raw_buf[:nbytes]))
+    elif method == "native":
+        seconds = timed(lambda: checkpoint.save(held.native, path, process_group=group, overwrite=True))
+    elif method == "native-async":
+        seconds = timed(lambda: pending.append(async_save(held.native, path, process_group=group, overwrite=True)))
+    else:
+        seconds = timed(lambda: pending.append(
+            dcp.async_save(held.dcp, storage_writer=FileSystemWriter(path), process_group=group)))
+    for f in pending:
+        f.result()
+    dist.barrier()
+    return seconds
+
+
 def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple[str, int]],
                share: tuple[int, int], group: Any, peak: _PeakRss) -> float:
     """Seconds of one resharded load into `held` (ranks outside the layout only wait)."""
@@ -451,6 +480,12 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
                 with _PeakRss() as peak:
                     seconds = _stage_step(method, src, mine[1], raw_buf)
                 record("stage", a.label, method, seconds, 0 if method == "raw" else peak.extra)
+            for method in ("raw", "native", "native-async", "dcp-async"):
+                stall_path = os.path.join(root, f"stall-{method}-{a.ranks}")
+                paths[f"stall-{method}"] = stall_path
+                with _PeakRss() as peak:
+                    seconds = _stall_step(method, src, stall_path, mine[1], raw_buf, groups[a.ranks])
+                record("stall", a.label, method, seconds, 0 if method == "raw" else peak.extra)
             del src
             for name, a2, b in PAIRS:
                 if a2 != a:
@@ -496,7 +531,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
             if per_rank[0] is recs:
                 c["seconds"].append(r["seconds"])
             c["rss"] = max(c["rss"], r["rss"])
-    rows: dict[str, list[dict[str, Any]]] = {"save": [], "stage": [], "load": []}
+    rows: dict[str, list[dict[str, Any]]] = {"save": [], "stage": [], "stall": [], "load": []}
     for (kind, where, method), c in cells.items():
         best = min(c["seconds"])
         rows[kind].append({"where": where, "method": method, "seconds": c["seconds"], "best_s": best,
@@ -525,6 +560,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
                   for n, a, b in PAIRS],
         "save": rows["save"],
         "stage": rows["stage"],
+        "stall": rows["stall"],
         "load": rows["load"],
     }
 
@@ -563,7 +599,10 @@ _NAMES = {
 def _name(method: str, kind: str) -> str:
     if method == "raw":
         return {"save": "roofline: raw write+fsync", "load": "roofline: raw read",
-                "stage": "roofline: memcpy"}[kind]
+                "stage": "roofline: memcpy", "stall": "roofline: memcpy"}[kind]
+    if kind == "stall":
+        return {"native": "olmo_chunks save (sync)", "native-async": "olmo_chunks async_save",
+                "dcp-async": "DCP async_save (FileSystemWriter)"}[method]
     if method == "dcp" and kind == "stage":
         return "DCP DefaultStager"
     if method == "native" and kind == "stage":
@@ -592,7 +631,9 @@ def format_table(res: dict[str, Any]) -> str:
                 f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f}")
 
     for kind, title in (("save", "Durable save (fsync), saved layout"),
-                        ("stage", "Staging only (CPU copies, no I/O)"), ("load", "Resharded load, pair")):
+                        ("stage", "Staging only (CPU copies, no I/O)"),
+                        ("stall", "Training stall of a save (async: until the call returns)"),
+                        ("load", "Resharded load, pair")):
         wheres: list[str] = []
         for r in res[kind]:
             if r["where"] not in wheres:

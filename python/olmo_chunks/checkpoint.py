@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,21 +91,31 @@ def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, t
         if not batch:
             continue
         datas = []
-        for _, _, t in batch:
+        for key, region, t in batch:
             if t.device.type == "cpu":
-                datas.append(t.contiguous())
+                datas.append((key, region, t.contiguous()))
             else:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
                 host.copy_(t, non_blocking=True)
-                datas.append(host)
+                datas.append((key, region, host))
         if any(t.device.type != "cpu" for _, _, t in batch):
             torch.cuda.synchronize()
-        name = f"data/{save_id}/rank-{rank:05d}" + (f"-{b:03d}" if b else "") + ".bin"
-        items = [(key, kind, list(a), list(b), d.data_ptr(), d.numel() * d.element_size())
-                 for (key, (kind, a, b), _), d in zip(batch, datas, strict=True)]
-        out.extend(_core.write_chunks(str(path), name, items, block_size, workers))
+        out.extend(write_file(path, data_file(save_id, rank, b), datas, block_size, workers))
         del datas
     return out
+
+
+def data_file(save_id: str, rank: int, part: int) -> str:
+    """The name of data file `part` of `rank` in save `save_id`."""
+    return f"data/{save_id}/rank-{rank:05d}" + (f"-{part:03d}" if part else "") + ".bin"
+
+
+def write_file(path: Path, name: str, chunks: list[tuple[str, tuple, torch.Tensor]], block_size: int,
+               workers: int | None) -> list[_core.WrittenChunk]:
+    """Writes contiguous CPU chunks `(key, region, data)` into one fresh data file `name`."""
+    items = [(key, kind, list(a), list(b), t.data_ptr(), t.numel() * t.element_size())
+             for key, (kind, a, b), t in chunks]
+    return _core.write_chunks(str(path), name, items, block_size, workers)
 
 
 def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dict]:
@@ -185,44 +195,74 @@ def save(
     or a rank silent for `peer_timeout` seconds, raises on every rank.
     """
     t0 = time.perf_counter()
-    group = Group(process_group, peer_timeout)
-    target = local_path(path)
-    local: dict[str, Any] = {}
-    root: dict[str, Any] = {}
+    with SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
+                   block_size=block_size, workers=workers) as steps:
+        chunks = steps.plan(state_dict)
+        steps.commit(lambda: _write(steps.target, steps.save_id, steps.group.rank, chunks, block_size, workers))
+    steps.log(t0)
 
-    def describe_local() -> tuple[dict, dict]:
-        leaves = flatten(state_dict)
-        shards = _describe_all(leaves, roles)
-        tensors, chunks = {}, []
-        for key, s in shards.items():
-            regions = list(s.regions())
-            tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
-            chunks.extend((key, r, d) for r, d in regions)
-        local["chunks"] = chunks
-        return tensors, {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
 
-    def begin(gathered: list[tuple[dict, dict]]) -> list[tuple[str, list[int]]]:
-        assign, root["schema"], root["entries"] = _plan(gathered)
-        txn = root["txn"] = _core.SaveTransaction.begin(str(target), overwrite, peer_timeout)
-        return [(txn.save_id, mine) for mine in assign]
+class SaveSteps:
+    """One collective save in its two steps, shared by `save` and `async_save`: `plan` (every rank
+    describes its state, rank 0 checks and plans it and takes the path's lease) and `commit` (every
+    rank writes its share, rank 0 commits). Leaving the `with` block without a commit abandons the
+    save, leaving the path as it was."""
 
-    def write() -> list[_core.WrittenChunk]:
-        chunks = [local["chunks"][i] for i in mine]
-        return _write(target, save_id, group.rank, chunks, block_size, workers)
+    def __init__(self, group: Group, path: str | os.PathLike[str], *, roles: Mapping[str, str] | None,
+                 info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None) -> None:
+        self.group, self.target = group, local_path(path)
+        self.roles, self.info, self.overwrite = roles, dict(info or {}), overwrite
+        self.block_size, self.workers = block_size, workers
+        self.save_id = ""
+        self.nbytes = 0
+        self._root: dict[str, Any] = {}
 
-    def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
-        root["nbytes"] = sum(c.nbytes for written in all_written for c in written)
-        commit_manifest(root["txn"], block_size, root["schema"], itertools.chain(*all_written), root["entries"],
-                        {"writer": "olmo_chunks", "world_size": group.size, **(dict(info) if info else {})})
+    def plan(self, state_dict: Mapping[str, Any]) -> list[tuple[str, tuple, torch.Tensor]]:
+        """The chunks `(key, region, data)` this rank writes (replicated ones are written once)."""
+        local: dict[str, Any] = {}
 
-    try:
-        _, (save_id, mine) = group.exchange(describe_local, begin, scatter=True)
-        group.exchange(write, commit)
-    finally:
-        if "txn" in root:
-            root["txn"].abort()  # a no-op after the commit
-    if group.rank == 0:
-        _log_summary("saved", root["nbytes"], "to", target, t0, f"{group.size} rank{'s' * (group.size > 1)}")
+        def describe_local() -> tuple[dict, dict]:
+            leaves = flatten(state_dict)
+            shards = _describe_all(leaves, self.roles)
+            tensors, chunks = {}, []
+            for key, s in shards.items():
+                regions = list(s.regions())
+                tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
+                chunks.extend((key, r, d) for r, d in regions)
+            local["chunks"] = chunks
+            return tensors, {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
+
+        def begin(gathered: list[tuple[dict, dict]]) -> list[tuple[str, list[int]]]:
+            assign, self._root["schema"], self._root["entries"] = _plan(gathered)
+            txn = self._root["txn"] = _core.SaveTransaction.begin(
+                str(self.target), self.overwrite, self.group.peer_timeout)
+            return [(txn.save_id, mine) for mine in assign]
+
+        _, (self.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
+        return [local["chunks"][i] for i in mine]
+
+    def commit(self, write: Callable[[], list[_core.WrittenChunk]]) -> None:
+        """Runs `write` (this rank's share) on every rank; rank 0 then commits the manifest."""
+
+        def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
+            self.nbytes = sum(c.nbytes for written in all_written for c in written)
+            info = {"writer": "olmo_chunks", "world_size": self.group.size, **self.info}
+            commit_manifest(self._root["txn"], self.block_size, self._root["schema"], itertools.chain(*all_written),
+                            self._root["entries"], info)
+
+        self.group.exchange(write, commit)
+
+    def log(self, t0: float) -> None:
+        if self.group.rank == 0:
+            size = self.group.size
+            _log_summary("saved", self.nbytes, "to", self.target, t0, f"{size} rank{'s' * (size > 1)}")
+
+    def __enter__(self) -> SaveSteps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if "txn" in self._root:
+            self._root["txn"].abort()  # a no-op after the commit
 
 
 def load(

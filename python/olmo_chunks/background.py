@@ -1,0 +1,180 @@
+"""`async_save`: a save whose training stall is the copy of this rank's bytes, nothing else.
+
+At the call, every rank describes its state and learns its share (as `save` does; replicated
+chunks are written once), and copies the bytes of that share, exactly as they are at the call, into
+a host staging pool that is reused from one save to the next (pinned when any source is on an
+accelerator; device-to-host copies on a side stream). The call then returns: the caller may change
+every tensor, expert flat views and trainer state included. A thread of this process writes the
+pool to storage (the core releases the GIL) and takes part in the commit; coordination goes
+through the process group's rendezvous store, never through the group's collectives, so training
+collectives cannot interleave with it.
+
+The pool holds at most `pool_bytes`. When this rank's share is larger, the call writes what the
+pool holds, waits for that write and goes on filling the pool: the stall then includes those
+writes. A single chunk larger than the pool is written from its own memory during the call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _core
+from ._dist import DEFAULT_PEER_TIMEOUT, Group
+from .checkpoint import SaveSteps, data_file, write_file
+from .errors import OlmoChunksError
+
+__all__ = ["DEFAULT_POOL_BYTES", "async_save"]
+
+# Host memory kept for staging async saves, per process group.
+DEFAULT_POOL_BYTES = int(os.environ.get("OLMO_CHUNKS_POOL_BYTES", 4 << 30))
+_ALIGN = 64
+
+
+class _Slot:
+    """The in-flight save and the staging pool of one process group."""
+
+    def __init__(self) -> None:
+        self.future: Future[None] | None = None
+        self.pool: torch.Tensor | None = None
+
+    def buffer(self, want: int, cap: int, pinned: bool) -> torch.Tensor:
+        """A staging buffer of at least `min(want, cap)` bytes, kept for later saves (grown, or
+        re-made pinned, only when this one is too small)."""
+        want = min(want, cap)
+        pool = self.pool
+        if pool is None or pool.numel() < want or (pinned and not pool.is_pinned()):
+            self.pool = None  # free the old one first
+            pool = self.pool = torch.empty(want, dtype=torch.uint8, pin_memory=pinned)
+        return pool
+
+
+_slots: dict[str, _Slot] = {}
+_threads: set[threading.Thread] = set()
+
+
+def async_save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    pool_bytes: int = DEFAULT_POOL_BYTES,
+    roles: Mapping[str, str] | None = None,
+    info: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    block_size: int = _core.DEFAULT_BLOCK_SIZE,
+    workers: int | None = None,
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+) -> Future[None]:
+    """Starts saving `state_dict` to `path` (see the module docstring and `save` for the options);
+    returns once this rank's bytes are captured, with a `concurrent.futures.Future` whose
+    `result()` returns when the checkpoint is committed, or raises the `OlmoChunksError` that
+    failed it on any rank (the checkpoint that was at `path` then stays). A new call on the same
+    process group first waits for the previous one; interpreter exit waits for the last one."""
+    slot = _slots.setdefault(_group_key(process_group), _Slot())
+    if slot.future is not None:
+        _wait(slot.future)
+    t0 = time.perf_counter()
+    steps = SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
+                      block_size=block_size, workers=workers)
+    try:
+        chunks = steps.plan(state_dict)
+        written, batch, part = _stage(steps, chunks, slot, pool_bytes)
+    except BaseException:
+        steps.__exit__(None, None, None)
+        raise
+    future: Future[None] = Future()
+    future.set_running_or_notify_cancel()
+    slot.future = future
+
+    def finish() -> None:
+        try:
+            name = data_file(steps.save_id, steps.group.rank, part)
+            with steps:
+                steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers)
+                                                if batch else []))
+            steps.log(t0)
+            future.set_result(None)
+        except BaseException as exc:
+            future.set_exception(exc if isinstance(exc, OlmoChunksError) else _wrapped(exc))
+        finally:
+            _threads.discard(threading.current_thread())
+
+    thread = threading.Thread(target=finish, name="olmo-chunks-async-save")
+    _threads.add(thread)
+    thread.start()
+    return future
+
+
+def _stage(steps: SaveSteps, chunks: list[tuple[str, tuple, torch.Tensor]], slot: _Slot,
+           pool_bytes: int) -> tuple[list[_core.WrittenChunk], list[tuple[str, tuple, torch.Tensor]], int]:
+    """Copies `chunks` into the pool. Returns what was already written (when the pool overflowed),
+    the batch left in the pool for the background write, and the number of data files used."""
+    sizes = [t.numel() * t.element_size() for _, _, t in chunks]
+    cuda = any(t.is_cuda for _, _, t in chunks)
+    need = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+    pool = slot.buffer(need, pool_bytes, cuda and torch.cuda.is_available()) if need else None
+    stream = torch.cuda.Stream() if cuda else None
+    written: list[_core.WrittenChunk] = []
+    batch: list[tuple[str, tuple, torch.Tensor]] = []
+    part, at = 0, 0
+
+    def flush(items: list[tuple[str, tuple, torch.Tensor]]) -> None:
+        nonlocal part
+        if stream is not None:
+            stream.synchronize()
+        name = data_file(steps.save_id, steps.group.rank, part)
+        written.extend(write_file(steps.target, name, items, steps.block_size, steps.workers))
+        part += 1
+
+    for (key, region, t), n in zip(chunks, sizes, strict=True):
+        if pool is None or n > pool.numel():  # larger than the whole pool: written from itself
+            src = t if t.device.type == "cpu" else t.to("cpu")
+            flush([(key, region, src.contiguous())])
+            continue
+        at = -(-at // _ALIGN) * _ALIGN
+        if at + n > pool.numel():
+            flush(batch)
+            batch, at = [], 0
+        dst = pool[at : at + n].view(t.dtype).view(t.shape)
+        if stream is not None and t.is_cuda:
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(t, non_blocking=True)
+        else:
+            dst.copy_(t)
+        batch.append((key, region, dst))
+        at += n
+    if stream is not None:
+        stream.synchronize()
+    return written, batch, part
+
+
+def _group_key(process_group: dist.ProcessGroup | None) -> str:
+    return "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
+
+
+def _wait(future: Future[None]) -> None:
+    """Waits for `future` to end, whatever its outcome (its caller sees that)."""
+    future.exception()
+
+
+def _wrapped(exc: BaseException) -> OlmoChunksError:
+    err = OlmoChunksError(f"async save failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+@atexit.register
+def _drain() -> None:
+    """Interpreter exit waits for saves in flight."""
+    for thread in list(_threads):
+        thread.join()

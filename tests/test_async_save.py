@@ -1,0 +1,151 @@
+"""`async_save` on real gloo worlds: the checkpoint holds the values at the call, whatever the
+caller does next; failures surface from `result()` on every rank; saves queue; exit waits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import olmo_chunks as oc
+import torch
+import torch.distributed as dist
+from olmo_chunks import ExpertLayout, TrainerState
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tests import world
+
+
+def _state(rank: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(16, 6, generator=g)
+    lo = ExpertLayout(8, (4, 3), rank // 2, 2, rank % 2, 2)
+    experts = torch.randn(lo.local_numel, generator=torch.Generator().manual_seed(100 + rank))
+    return {
+        "w": distribute_tensor(full, world.mesh((4,)), [Shard(0)], src_data_rank=None),
+        "bias": torch.arange(5.0),  # replicated: one rank writes it
+        "experts": lo.view(experts),
+        **TrainerState(step=11, tokens=1234, seed=3).state_dict(layout={"dp": 4}),
+    }, experts
+
+
+def _tensors(sd: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, leaf in oc.tree.flatten(sd).items():
+        v = leaf.value
+        if isinstance(v, torch.Tensor):
+            out[key] = v.to_local() if hasattr(v, "to_local") else v
+    return out
+
+
+def _save_then_scribble(path: str) -> bool:
+    rank = dist.get_rank()
+    sd, experts = _state(rank)
+    before = {k: t.clone() for k, t in _tensors(sd).items()}
+    experts_before = experts.clone()
+    fut = oc.async_save(sd, path, pool_bytes=1 << 20)
+    for t in [*_tensors(sd).values(), experts]:  # the next training step overwrites everything
+        t.fill_(-1)
+    assert fut.result(timeout=60) is None and fut.done() and fut.exception() is None
+    back, back_experts = _state(rank)
+    for t in [*_tensors(back).values(), back_experts]:
+        t.zero_()
+    oc.load(back, path)
+    after = _tensors(back)
+    return all(torch.equal(after[k], before[k]) for k in before) and torch.equal(back_experts, experts_before)
+
+
+def test_the_checkpoint_holds_the_values_at_the_call(tmp_path):
+    assert world.run(4, _save_then_scribble, str(tmp_path / "c")) == [True] * 4
+
+
+def _failing_async_save(path: str, bad: int) -> str:
+    from olmo_chunks import background
+
+    rank = dist.get_rank()
+    if rank == bad:
+        real = background.write_file
+
+        def failing(*a, **k):
+            raise OSError(28, "No space left on device (simulated)")
+
+        background.write_file = failing
+    try:
+        fut = oc.async_save({"w": torch.full((8,), 2.0), f"r{rank}": torch.full((8,), 2.0)}, path,
+                            overwrite=True, pool_bytes=1 << 20)
+        err = fut.exception(timeout=60)
+    finally:
+        if rank == bad:
+            background.write_file = real
+    sd = {k: torch.zeros(8) for k in ("w", "r0", "r1")}
+    oc.load(sd, path)
+    return f"{type(err).__name__}|{isinstance(err, oc.OlmoChunksError)}|{sd['w'][0].item()}|{sd['r1'][0].item()}"
+
+
+def _first(path: str) -> None:
+    oc.save({"w": torch.full((8,), 1.0), f"r{dist.get_rank()}": torch.full((8,), 1.0)}, path)
+
+
+def test_a_failing_async_save_raises_from_result_on_every_rank_and_keeps_the_old_checkpoint(tmp_path):
+    path = str(tmp_path / "c")
+    world.run(2, _first, path)
+    out = world.run(2, _failing_async_save, path, 1)
+    # The failing rank sees its own error; the other one, who failed; the old checkpoint stays.
+    assert out[1].split("|")[1:] == ["True", "1.0", "1.0"], out
+    assert out[0] == "RankFailedError|True|1.0|1.0", out
+
+
+def _back_to_back(root: str) -> list[float]:
+    rank = dist.get_rank()
+    futs = []
+    for i in range(3):
+        t = torch.full((1000,), float(i + 10 * rank))
+        futs.append(oc.async_save({f"t{rank}": t}, f"{root}/c{i}", pool_bytes=4096))
+        t.fill_(-5)  # the pool is reused: each save must still hold its own values
+    for f in futs:
+        f.result(timeout=60)
+    got = []
+    for i in range(3):
+        sd = {f"t{r}": torch.zeros(1000) for r in range(dist.get_world_size())}
+        oc.load(sd, f"{root}/c{i}")
+        got.append(sd[f"t{rank}"][0].item())
+    return got
+
+
+def test_back_to_back_saves_queue_and_reuse_the_pool(tmp_path):
+    assert world.run(2, _back_to_back, str(tmp_path)) == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
+
+
+def test_a_state_larger_than_the_pool_is_written_in_parts(tmp_path):
+    sd = {f"t{i}": torch.full((1024,), float(i)) for i in range(10)}  # 40 KiB through a 10 KiB pool
+    fut = oc.async_save(sd, tmp_path / "c", pool_bytes=10 << 10)
+    for t in sd.values():
+        t.zero_()
+    fut.result()
+    back = {k: torch.empty(1024) for k in sd}
+    oc.load(back, tmp_path / "c")
+    assert all(torch.equal(back[f"t{i}"], torch.full((1024,), float(i))) for i in range(10))
+    assert len(oc._core.Manifest.open(str(tmp_path / "c")).files) >= 4
+
+
+def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import time, torch, olmo_chunks as oc
+        from olmo_chunks import checkpoint
+        real = checkpoint.commit_manifest
+        def slow(*a, **k):
+            time.sleep(2)
+            return real(*a, **k)
+        checkpoint.commit_manifest = slow
+        oc.async_save({{"w": torch.arange(6.0)}}, {str(tmp_path / "c")!r})
+        print("returned", flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "returned" in out.stdout, out.stderr
+    sd = {"w": torch.zeros(6)}
+    oc.load(sd, tmp_path / "c")
+    assert torch.equal(sd["w"], torch.arange(6.0))
+    assert Path(tmp_path / "c" / oc.MANIFEST_NAME).exists()
