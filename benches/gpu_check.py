@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
     # Async save: the stall is the device-to-host copy into the reused pinned pool; the source is
     # overwritten right after the call, the checkpoint must hold the values at the call.
-    for rep in range(2):  # the first call allocates the pool; the second shows the steady state
+    for _ in range(2):  # the first call allocates the pool; the second shows the steady state
         with Sampler(device) as s:
             t0 = time.perf_counter()
             fut = oc.async_save(state, path + "-async", overwrite=True)
