@@ -18,9 +18,9 @@ from olmo_chunks import _core
 from olmo_chunks.cli import main
 from olmo_chunks.errors import ConversionError, InvalidArgumentError
 from olmo_chunks.experts import ExpertFlatView, ExpertLayout
-from olmo_chunks.export import export_checkpoint, import_hf, parse_bytes, validate_conversion
-from olmo_chunks.mapping import hf_expert_layout
-from olmo_chunks.safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter
+from olmo_chunks.hf.export import export_checkpoint, import_hf, parse_bytes, validate_conversion
+from olmo_chunks.hf.mapping import hf_expert_layout
+from olmo_chunks.hf.safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter
 
 from tests import world
 
@@ -643,7 +643,8 @@ def test_transformers_fused_layout_export_loads(transformers, tmp_path):
 
 RSS_SCRIPT = r"""
 import re, sys
-from olmo_chunks import cli, export  # everything the command imports, before the baseline
+from olmo_chunks import cli
+from olmo_chunks.hf import export  # everything the command imports, before the baseline
 
 def status(field):
     return int(re.search(field + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024

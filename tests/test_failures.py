@@ -468,7 +468,7 @@ def _dcp_step_and_maybe_die(rank: int, path: str, step: str, victim: int, mark: 
             os.kill(os.getpid(), signal.SIGKILL)
 
         if step == "save":
-            door._write = kill
+            door.writer._write = kill
         else:
             door.ChunkStoreReader._read_items = kill
     sd = full_state(rank, 4, 2)

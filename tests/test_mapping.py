@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from olmo_chunks import _core
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.mapping import (
+from olmo_chunks.hf.mapping import (
     BUILTIN_MAPPINGS,
     MappingSpec,
     NativeSource,

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
-from . import _core, values
-from .checkpoint import _write, commit_manifest, local_path
-from .errors import ConversionError, InvalidArgumentError, OlmoChunksError
+from .. import _core, values
+from ..checkpoint import _write, commit_manifest, local_path
+from ..errors import ConversionError, InvalidArgumentError, OlmoChunksError
+from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
+from ..shards import dtype_name
 from .mapping import (
     BUILTIN_MAPPINGS,
     MappingSpec,
@@ -41,9 +43,7 @@ from .mapping import (
     read_planned,
     scatter_planned,
 )
-from .roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from .safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter, contiguous_boxes
-from .shards import dtype_name
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",

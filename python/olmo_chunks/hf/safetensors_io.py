@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, InvalidArgumentError, StorageError
+from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 
 __all__ = [
     "INDEX_NAME",

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from . import _core, values
-from .errors import InvalidArgumentError
-from .roles import MAIN_WEIGHT
-from .shards import torch_dtype
+from .. import _core, values
+from ..errors import InvalidArgumentError
+from ..roles import MAIN_WEIGHT
+from ..shards import torch_dtype
 
 __all__ = [
     "BUILTIN_MAPPINGS",

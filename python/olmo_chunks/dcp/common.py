@@ -1,0 +1,56 @@
+"""What the DCP writer and reader share: paths, the process group check, the data step."""
+
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .._dist import Group, bound_collectives
+from ..errors import (
+    InvalidArgumentError,
+    RankFailedError,
+)
+
+log = logging.getLogger(__name__)
+
+
+def path_of(checkpoint_id: str | os.PathLike | None, current: Path | None) -> Path | None:
+    return Path(checkpoint_id) if checkpoint_id else current
+
+
+def is_local_path(checkpoint_id: str | os.PathLike) -> bool:
+    s = os.fspath(checkpoint_id)
+    return isinstance(s, str) and "://" not in s
+
+
+def check_group(process_group: dist.ProcessGroup | None, rank: int | None, who: str,
+                 size: int | None = None) -> None:
+    """Refuses a DCP call on a process group other than the one the writer or reader was given
+    (its ranks coordinate on that group)."""
+    if not dist.is_initialized():
+        return
+    mine = (dist.get_rank(process_group), dist.get_world_size(process_group))
+    if (rank is not None and rank != mine[0]) or (size is not None and size != mine[1]):
+        raise InvalidArgumentError(
+            f"{who}: DCP runs on another process group than this {who}'s; pass the process_group given "
+            f"to dcp to {who}(..., process_group=...) too"
+        )
+
+
+def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[[], Any]) -> Any:
+    """Runs this rank's part of a DCP data step so that a failure on any rank, a dead one included
+    (no heartbeat for `peer_timeout`), is known to every rank before DCP's next collective; after a
+    death that collective is bounded too, where DCP alone would wait for the group's timeout."""
+    try:
+        return Group(process_group, peer_timeout).agree(fn)
+    except RankFailedError as exc:
+        if exc.dead:
+            bound_collectives(process_group, min(peer_timeout, 10.0))
+        log.error("olmo-chunks: %s", exc)
+        raise

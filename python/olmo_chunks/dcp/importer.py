@@ -1,0 +1,297 @@
+"""`import_dcp`: a checkpoint written by DCP's FileSystemWriter, converted into the chunk store."""
+
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import io
+import os
+import pickle
+import stat
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from .. import _core
+from ..checkpoint import _write, commit_manifest
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingDataFileError,
+    OlmoChunksError,
+    StorageError,
+    TruncatedDataError,
+    UnsafePathError,
+    UnsupportedFormatError,
+)
+from ..roles import resolve_role
+from ..shards import dtype_name
+from .values import encode_object, group_entries
+
+# Globals a DCP `.metadata` pickle may name; anything else is refused.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("torch.distributed.checkpoint._nested_dict", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's `.metadata` pickle, allowing only the classes DCP puts there."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise UnsupportedFormatError(f"DCP metadata names {module}.{name}, which import-dcp does not accept")
+
+
+def _open_beneath(root: Path, rel: Any, what: str) -> io.BufferedReader:
+    """Opens regular file `rel` below directory `root` for reading: a relative path of normal
+    components, no symlink below `root` followed (each component opened with O_NOFOLLOW from its
+    parent's descriptor), never blocking on a FIFO or device. Refuses anything else with
+    UnsafePathError (a CorruptCheckpointError) naming `what`."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or any(p in ("", ".", "..") or "\0" in p for p in parts):
+        raise UnsafePathError(f"{root}: {what}: path {rel!r} points outside the checkpoint directory")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fds = []
+    try:
+        fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        for part in parts[:-1]:
+            fds.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=fds[-1]))
+        fd = os.open(parts[-1], flags, dir_fd=fds[-1])
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise MissingDataFileError(f"{root / rel}: {what}: no such file") from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(
+                f"{root}: {what}: path {rel!r} goes through a symlink or a non-directory"
+            ) from None
+        raise StorageError(exc.errno, f"{root / rel}: {what}: {exc.strerror}") from None
+    finally:
+        for d in fds:
+            os.close(d)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{root}: {what}: {rel!r} is not a regular file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb")
+
+
+@contextlib.contextmanager
+def _bad_metadata(src: Path, what: str) -> Iterator[None]:
+    """Turns the errors that malformed DCP metadata causes while interpreting it into
+    CorruptCheckpointError naming `what`."""
+    try:
+        yield
+    except OlmoChunksError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise CorruptCheckpointError(f"{src}: bad DCP metadata for {what}: {exc}") from None
+
+
+def read_dcp_metadata(src: str | os.PathLike) -> Metadata:
+    """The `Metadata` of a checkpoint written by DCP's FileSystemWriter, read without running
+    arbitrary pickled code."""
+    path = Path(src) / ".metadata"
+    try:
+        if not Path(src).is_dir():
+            raise MissingDataFileError(f"{src}: not a directory")
+        f = _open_beneath(Path(src), ".metadata", "DCP metadata")
+    except (MissingDataFileError, StorageError) as exc:
+        raise CheckpointNotFoundError(f"{src}: not a DCP FileSystemWriter checkpoint ({exc})") from None
+    with f:
+        try:
+            md = _MetadataUnpickler(f).load()
+        except UnsupportedFormatError:
+            raise
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata: {exc}") from None
+    if (
+        not isinstance(md, Metadata)
+        or not isinstance(md.storage_data, Mapping)
+        or not isinstance(md.state_dict_metadata, Mapping)
+    ):
+        raise CorruptCheckpointError(f"{path}: not DCP FileSystemWriter metadata")
+    return md
+
+
+def import_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    roles: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    block_size: int = _core.DEFAULT_BLOCK_SIZE,
+    batch_bytes: int = 256 << 20,
+    workers: int | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Converts a DCP FileSystemWriter checkpoint at `src` into an olmo-chunks checkpoint at `dst`,
+    one saved item at a time (memory stays near `batch_bytes` plus the largest item), then
+    verifies coverage and every checksum. Returns a summary. Every read stays inside `src` (see
+    `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`."""
+    src, dst = Path(src), Path(dst)
+    md = read_dcp_metadata(src)
+    storage: Mapping[MetadataIndex, Any] = md.storage_data
+    schema: dict[str, tuple] = {}
+    leaves: dict[str, Any] = {}
+    written: list[_core.WrittenChunk] = []
+    pending: list[tuple[str, tuple, torch.Tensor]] = []
+    pending_bytes = 0
+    nfile = 0
+    handles: dict[str, Any] = {}
+    files = contextlib.ExitStack()
+
+    def read_raw(fqn: str, index: MetadataIndex) -> bytes:
+        what = f"item {fqn} at {tuple(index.offset or ())}"
+        sinfo = storage.get(index)
+        if sinfo is None:
+            raise CorruptCheckpointError(f"{src}: no storage entry for {what}")
+        if getattr(sinfo, "transform_descriptors", None):
+            raise UnsupportedFormatError(
+                f"{src}: {what} was written with stream transforms "
+                f"{sinfo.transform_descriptors}, which import-dcp does not read"
+            )
+        rel, offset, length = (getattr(sinfo, a, None) for a in ("relative_path", "offset", "length"))
+        if not (isinstance(rel, str) and type(offset) is int and type(length) is int and min(offset, length) >= 0):
+            raise CorruptCheckpointError(f"{src}: {what}: bad storage entry {sinfo!r}")
+        f = handles.get(rel)
+        if f is None:
+            f = handles[rel] = files.enter_context(_open_beneath(src, rel, what))
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:  # checked before allocating: a crafted length may be huge
+            raise TruncatedDataError(
+                f"{src / rel}: {what} spans bytes {offset}..{offset + length}, past the end of the file ({size})"
+            )
+        try:
+            f.seek(offset)
+            raw = f.read(length)
+        except OSError as exc:
+            raise StorageError(exc.errno, f"{src / rel}: {what}: {exc.strerror or exc}") from None
+        if len(raw) != length:
+            raise TruncatedDataError(f"{src / rel}: truncated at {what}")
+        return raw
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes, nfile
+        if pending:
+            out = _write(dst, txn.save_id, nfile, pending, block_size, workers)
+            written.extend(out)
+            nfile += 1
+        pending, pending_bytes = [], 0
+
+    def import_tensor(fqn: str, smd: TensorStorageMetadata) -> None:
+        nonlocal pending_bytes
+        dtype = smd.properties.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{src}: {fqn} has no valid dtype")
+        schema[fqn] = (dtype_name(dtype), list(smd.size), resolve_role(fqn, torch.empty(0, dtype=dtype), roles))
+        for chunk in smd.chunks:
+            if 0 in list(chunk.sizes):
+                continue
+            raw = read_raw(fqn, MetadataIndex(fqn, chunk.offsets))
+            try:
+                t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CorruptCheckpointError(
+                    f"{src}: item {fqn} at {tuple(chunk.offsets)} is not a torch.save'd tensor ({exc})"
+                ) from None
+            del raw
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or list(t.shape) != list(chunk.sizes):
+                raise CorruptCheckpointError(
+                    f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
+                    f"its metadata ({dtype}, {tuple(chunk.sizes)})"
+                )
+            nbytes = t.numel() * t.element_size()
+            if pending and pending_bytes + nbytes > batch_bytes:
+                flush()
+            pending.append((fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t.contiguous()))
+            pending_bytes += nbytes
+
+    txn = _core.SaveTransaction.begin(str(dst), overwrite)
+    try:
+        with files:
+            for fqn, smd in md.state_dict_metadata.items():
+                with _bad_metadata(src, repr(fqn)):
+                    if isinstance(smd, BytesStorageMetadata):
+                        leaves[fqn] = encode_object(fqn, read_raw(fqn, MetadataIndex(fqn)))
+                    else:
+                        import_tensor(fqn, smd)
+            flush()
+        with _bad_metadata(src, "the object paths (planner_data)"):
+            paths = md.planner_data if isinstance(md.planner_data, Mapping) else None
+            entries = group_entries(leaves, paths, schema)
+            info = {
+                "writer": "olmo_chunks.import_dcp",
+                "source": str(src),
+                "dcp_version": md.version,
+                **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
+            }
+        m = commit_manifest(txn, block_size, schema, written, entries, info)
+    finally:
+        txn.abort()  # a no-op once committed
+    m.check_coverage()
+    nbytes = m.verify_data(workers) if verify else 0
+    return {
+        "tensors": len(schema),
+        "values": len(entries),
+        "chunks": m.num_chunks,
+        "bytes": nbytes,
+        "files": len(m.files),
+    }
+
+
+def _import_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="checkpoint directory written by DCP's FileSystemWriter")
+    p.add_argument("dst", help="olmo-chunks checkpoint directory to write")
+    p.add_argument("--batch-mb", type=int, default=256, help="bytes staged per data file (MiB)")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at dst")
+
+
+def _import_cmd(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    s = import_dcp(
+        args.src, args.dst, overwrite=args.overwrite, batch_bytes=args.batch_mb << 20, workers=args.workers
+    )
+    dt = time.perf_counter() - t0
+    print(
+        f"OK {args.dst}: {s['tensors']} tensors, {s['values']} values, {s['chunks']} chunks in "
+        f"{s['files']} data files, {s['bytes']} bytes verified ({s['bytes'] / max(dt, 1e-9) / 1e9:.2f} GB/s "
+        "end to end), exact coverage"
+    )
+    return 0

@@ -1,0 +1,212 @@
+"""`ChunkStoreReader`: the DCP storage reader."""
+
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import _core, values
+from .._dist import DEFAULT_PEER_TIMEOUT
+from ..errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    MismatchError,
+)
+from ..fill import Fill, fill
+from ..shards import torch_dtype
+from .common import check_group, data_step, is_local_path, path_of
+from .values import dcp_leaves
+
+
+class ChunkStoreReader(StorageReader):
+    """DCP `StorageReader` over an olmo-chunks checkpoint (saved by either front door).
+
+    `verify` checks block checksums of everything read; `workers` bounds the reading threads.
+    `FileSystemReader`'s `_extension_registry` is accepted when empty (there are no stream
+    transforms to undo).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        verify: bool = True,
+        workers: int | None = None,
+        _extension_registry: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        if _extension_registry is not None:
+            raise InvalidArgumentError(
+                "ChunkStoreReader: _extension_registry is not supported; olmo-chunks stores raw "
+                "element bytes, with no stream transforms to undo"
+            )
+        self.path = Path(path) if path is not None else None
+        self.verify = verify
+        self.workers = workers
+        self.process_group = process_group
+        self.peer_timeout = peer_timeout
+        self.load_id = uuid.uuid4().hex
+        self._manifest: _core.Manifest | None = None
+        self._tensors: dict[str, tuple[int, torch.dtype]] = {}
+        self._values: dict[str, Any] = {}
+        self._value_paths: dict[str, tuple] = {}
+
+    @property
+    def checkpoint_id(self) -> Path | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.path = path_of(checkpoint_id, self.path)
+        self.load_id = uuid.uuid4().hex
+        self._manifest = None
+
+    def _open(self) -> _core.Manifest:
+        if self._manifest is None:
+            if self.path is None:
+                raise InvalidArgumentError(
+                    "ChunkStoreReader: no path (pass one, or checkpoint_id to dcp.load)"
+                )
+            m = _core.Manifest.open(str(self.path))
+            self._tensors = {t.key: (i, torch_dtype(t.dtype)) for i, t in enumerate(m.tensors)}
+            self._values, self._value_paths = {}, {}
+            for key, enc in values.entries(m).items():
+                for fqn, (path, v) in dcp_leaves(key, values.decode(enc, key)).items():
+                    self._values[fqn], self._value_paths[fqn] = v, path
+            self._manifest = m
+        return self._manifest
+
+    def read_metadata(self) -> Metadata:
+        self._manifest = None  # every load starts from the manifest committed now
+        m = self._open()
+        md: dict[str, Any] = {}
+        for i, t in enumerate(m.tensors):
+            chunks = []
+            for c in m.chunks(i):
+                if c.kind == "box":
+                    if 0 not in c.sizes:
+                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)))
+                else:  # a flat range, presented as the boxes it decomposes into
+                    for offs, sizes, _, _ in _core.flat_pieces(list(t.shape), c.offsets[0], c.sizes[0]):
+                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
+            md[t.key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape), chunks=chunks
+            )
+        paths: dict[str, tuple] = {}
+        for fqn, path in self._value_paths.items():
+            if fqn in md:
+                raise CorruptCheckpointError(f"{self.path}: {fqn!r} is both a tensor and a value")
+            md[fqn] = BytesStorageMetadata()
+            paths[fqn] = path
+        saved_info = values.parse_json(m.info_json, f"{self.path}: manifest info") if m.info_json else None
+        saved_paths = saved_info.get("dcp_paths") if isinstance(saved_info, dict) else None
+        if isinstance(saved_paths, dict):
+            for fqn, p in saved_paths.items():
+                if fqn in md and isinstance(p, list) and p:  # the exact object path DCP recorded at save time
+                    paths[fqn] = tuple(p)
+        for fqn in md:
+            paths.setdefault(fqn, (fqn,))
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data=paths,
+            storage_data={"olmo_chunks": str(self.path), "save_id": m.save_id},
+            storage_meta=StorageMeta(checkpoint_id=str(self.path), save_id=m.save_id, load_id=self.load_id),
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        m = self._open()
+        check_group(self.process_group, kwargs.get("rank"), "ChunkStoreReader")
+        sd = metadata.storage_data
+        if isinstance(sd, Mapping) and sd.get("save_id") not in (None, m.save_id):
+            raise InvalidArgumentError(
+                f"{self.path}: metadata of save {sd.get('save_id')} given for save {m.save_id}"
+            )
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        check_group(self.process_group, None, "ChunkStoreReader", len(plans))
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        data_step(self.process_group, self.peer_timeout, lambda: self._read_items(plan, planner))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        m = self._open()
+        fills: list[Fill] = []
+        resolved: list[tuple[ReadItem, torch.Tensor]] = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            fqn = item.storage_index.fqn
+            if fqn not in self._tensors:
+                raise MismatchError(
+                    [f"{fqn}: not a tensor in the checkpoint"], header=f"{self.path}: bad read plan"
+                )
+            ti, saved_dtype = self._tensors[fqn]
+            dest = planner.resolve_tensor(item).detach()
+            lengths = list(item.lengths)
+            if list(dest.shape) != lengths:
+                raise InvalidArgumentError(
+                    f"{fqn!r}: planner resolved a tensor of shape {tuple(dest.shape)} "
+                    f"for a read of {tuple(lengths)}"
+                )
+            base = item.storage_index.offset or torch.Size([0] * len(lengths))
+            offsets = [int(a) + int(b) for a, b in zip(base, item.storage_offsets, strict=True)]
+            fills.append(Fill(fqn, ti, dest, functools.partial(_box_pieces, offsets), saved_dtype))
+            resolved.append((item, dest))
+        fill(m, fills, verify=self.verify, workers=self.workers)
+        for item, dest in resolved:
+            planner.commit_tensor(item, dest)
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                fqn = item.storage_index.fqn
+                if fqn not in self._values:
+                    raise MismatchError(
+                        [f"{fqn}: not a value in the checkpoint"], header=f"{self.path}: bad read plan"
+                    )
+                buf = io.BytesIO()
+                torch.save(self._values[fqn], buf)  # serialised here from JSON data, never read from disk
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_local_path(checkpoint_id) and (Path(checkpoint_id) / _core.MANIFEST_NAME).is_file()
+
+
+def _box_pieces(offsets: list[int], buf: torch.Tensor) -> list[tuple[list[int], list[int], int, list[int]]]:
+    """The core target piece of the box at `offsets` of `buf`'s shape, filling all of `buf`."""
+    return [(offsets, list(buf.shape), 0, list(buf.stride()))]

@@ -1,0 +1,259 @@
+"""`ChunkStoreWriter`: the DCP storage writer."""
+
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import _core
+from .._dist import DEFAULT_PEER_TIMEOUT
+from ..checkpoint import _write, commit_manifest
+from ..errors import InvalidArgumentError
+from ..roles import resolve_role
+from ..shards import dtype_name
+from .common import check_group, data_step, is_local_path, path_of
+from .values import encode_object, group_entries
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanStorage:
+    """Per-rank storage data of a global save plan: the save id all ranks share, and the rank."""
+
+    save_id: str
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueWritten:
+    encoded: Any
+
+
+class ChunkStoreWriter(StorageWriter):
+    """DCP `StorageWriter` that saves into an olmo-chunks checkpoint directory.
+
+    `path` may be left out when `dcp.save(..., checkpoint_id=path)` names it. `roles` overrides the
+    inferred role per key or dotted key prefix; `info` is stored as information in the manifest.
+    Replicated items are deduplicated by DCP's save planner (balanced across replicas).
+
+    `FileSystemWriter`'s arguments are accepted with its meaning where they have one here:
+    `overwrite=False` refuses (with `CheckpointExistsError`, before any data is written) a path
+    holding a committed checkpoint; `thread_count` is `workers`. Every rank always writes one data
+    file per rank and fsyncs it, so `single_file_per_rank` and `sync_files` change nothing;
+    `per_thread_copy_ahead` and `cache_staged_state_dict` are ignored. Stream `_extensions`
+    (compression) and a `serialization_format` other than the default are refused: olmo-chunks
+    stores raw element bytes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        roles: Mapping[str, str] | None = None,
+        info: Mapping[str, Any] | None = None,
+        block_size: int = _core.DEFAULT_BLOCK_SIZE,
+        workers: int | None = None,
+        overwrite: bool = True,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        _extensions: Iterable[Any] | None = None,
+        serialization_format: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        if _extensions:
+            raise InvalidArgumentError(
+                "ChunkStoreWriter: _extensions (stream transforms such as ZStandard) are not supported; "
+                "olmo-chunks stores raw element bytes with block checksums"
+            )
+        if getattr(serialization_format, "value", serialization_format) not in (None, "torch_save"):
+            raise InvalidArgumentError(
+                f"ChunkStoreWriter: serialization_format={serialization_format} is not supported "
+                "(olmo-chunks has its own format; see `olmo-chunks export` for safetensors)"
+            )
+        if thread_count is not None:
+            if thread_count < 1 or workers not in (None, thread_count):
+                raise InvalidArgumentError(
+                    f"ChunkStoreWriter: thread_count={thread_count} must be positive and agree with "
+                    f"workers={workers}"
+                )
+            workers = thread_count
+        self.path = Path(path) if path is not None else None
+        self.roles = dict(roles) if roles else None
+        self.info = dict(info) if info else {}
+        self.block_size = block_size
+        self.workers = workers
+        self.overwrite = overwrite
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.process_group = process_group
+        self.peer_timeout = peer_timeout
+        self.save_id: str | None = None
+        self.is_coordinator = False
+        self._txn: _core.SaveTransaction | None = None  # the coordinator's save, begun at global planning
+
+    @property
+    def checkpoint_id(self) -> Path | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._abort()
+        self.path = path_of(checkpoint_id, self.path)
+        self.save_id = None
+
+    def _abort(self) -> None:
+        """Drops the save a failed `dcp.save` left begun (its data goes, the lease is released)."""
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if self.path is None:
+            raise InvalidArgumentError("ChunkStoreWriter: no path (pass one, or checkpoint_id to dcp.save)")
+        if not kwargs.get("use_collectives", True) and dist.is_initialized() and dist.get_world_size() > 1:
+            raise InvalidArgumentError(
+                "ChunkStoreWriter commits one manifest for all ranks and needs use_collectives=True"
+            )
+        check_group(self.process_group, kwargs.get("rank"), "ChunkStoreWriter")
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path) if self.path else None, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        assert self.path is not None
+        if self.path.exists() and not self.path.is_dir():
+            raise InvalidArgumentError(f"{self.path}: exists and is not a directory")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        assert self.path is not None
+        self._abort()
+        check_group(self.process_group, None, "ChunkStoreWriter", len(plans))
+        self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite, self.peer_timeout)
+        save_id = self._txn.save_id
+        return [dataclasses.replace(p, storage_data=_PlanStorage(save_id, i)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = data_step(self.process_group, self.peer_timeout, lambda: self._write_items(plan, planner))
+        except BaseException:
+            self._abort()  # the coordinator's: every rank has stopped writing by now
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_items(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        assert self.path is not None
+        storage = plan.storage_data
+        if not isinstance(storage, _PlanStorage):
+            raise InvalidArgumentError(
+                "ChunkStoreWriter: the save plan carries no save id (was prepare_global_plan bypassed?)"
+            )
+        self.save_id = storage.save_id
+        own = self.path / "data" / storage.save_id / f"rank-{storage.rank:05d}.bin"
+        if own.exists():
+            # Only a reused (cached) global plan repeats a save id; writing would clobber live data.
+            raise InvalidArgumentError(
+                f"{own} exists: the save plan was reused from an earlier save "
+                "(DefaultSavePlanner(enable_plan_caching=True) is not supported by ChunkStoreWriter)"
+            )
+        results: list[WriteResult] = []
+        chunks: list[tuple[str, tuple, torch.Tensor]] = []
+        chunk_items = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                enc = encode_object(item.index.fqn, raw)
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=_ValueWritten(enc))
+                )
+                continue
+            td = item.tensor_data
+            assert td is not None
+            sizes = list(td.chunk.sizes)
+            if 0 in sizes:
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+                continue
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"{item.index.fqn!r}: the planner resolved a tensor item to {type(tensor).__name__}"
+                )
+            tensor = tensor.detach()
+            if list(tensor.shape) != sizes:
+                raise InvalidArgumentError(
+                    f"{item.index.fqn!r}: resolved shape {tuple(tensor.shape)} "
+                    f"differs from the planned chunk {tuple(sizes)}"
+                )
+            chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
+            chunk_items.append(item)
+        written = _write(self.path, storage.save_id, storage.rank, chunks, self.block_size, self.workers)
+        for item, chunk in zip(chunk_items, written, strict=True):
+            results.append(WriteResult(index=item.index, size_in_bytes=chunk.nbytes, storage_data=chunk))
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.path is not None
+        if self._txn is None:
+            raise InvalidArgumentError(
+                "ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)"
+            )
+        schema: dict[str, tuple] = {}
+        leaves: dict[str, Any] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                dtype = md.properties.dtype
+                role = resolve_role(fqn, torch.empty(0, dtype=dtype), self.roles)
+                schema[fqn] = (dtype_name(dtype), list(md.size), role)
+        chunks: list[_core.WrittenChunk] = []
+        for rank_results in results:
+            for r in rank_results:
+                sd = r.storage_data
+                if isinstance(sd, _core.WrittenChunk):
+                    chunks.append(sd)
+                elif isinstance(sd, _ValueWritten):
+                    leaves[r.index.fqn] = sd.encoded
+        paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else None
+        entries = group_entries(leaves, paths, schema)
+        info = {
+            "writer": "olmo_chunks.dcp",
+            "world_size": len(results),
+            **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
+            **self.info,
+        }
+        try:
+            commit_manifest(self._txn, self.block_size, schema, chunks, entries, info)
+        finally:
+            self._abort()  # a no-op once committed
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_local_path(checkpoint_id)
