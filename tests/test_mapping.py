@@ -19,7 +19,6 @@ from olmo_chunks.hf.mapping import (
     Op,
     Planned,
     _apply_shape,
-    _runs,
     plan_export,
     plan_import,
     read_planned,
@@ -125,10 +124,11 @@ def test_runs_match_brute_force(shape, data):
     size = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, off, strict=True)]
     x = torch.arange(torch.Size(shape).numel()).reshape(shape)
     want = x[tuple(slice(a, a + b) for a, b in zip(off, size, strict=True))].reshape(-1)
-    got = torch.cat([torch.arange(start, start + n) for start, n, _ in _runs(shape, off, size)])
+    runs = _core.box_runs(shape, off, size)
+    got = torch.cat([torch.arange(start, start + n) for start, n, _ in runs])
     assert torch.equal(got, want)
-    locs = [loc for _, _, loc in _runs(shape, off, size)]
-    assert locs == sorted(locs) and locs[0] == 0
+    # local starts: each run follows the previous one in the box's own row-major order
+    assert [loc for _, _, loc in runs] == [sum(n for _, n, _ in runs[:i]) for i in range(len(runs))]
 
 
 def test_reshaped_native_reads_through_core(tmp_path):

@@ -15,6 +15,7 @@ __all__ = [
     "TensorSchema",
     "WrittenChunk",
     "box_overlaps",
+    "box_runs",
     "flat_pieces",
     "write_chunks",
 ]
@@ -110,6 +111,7 @@ class Manifest:
         workers: int | None = None,
     ) -> None: ...
 
+def box_runs(shape: list[int], offsets: list[int], sizes: list[int]) -> list[tuple[int, int, int]]: ...
 def flat_pieces(shape: list[int], start: int, len: int) -> list[_Piece]: ...
 def box_overlaps(
     tensors: list[tuple[int, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]],

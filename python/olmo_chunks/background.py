@@ -9,9 +9,10 @@ pool to storage (the core releases the GIL) and takes part in the commit; coordi
 through the process group's rendezvous store, never through the group's collectives, so training
 collectives cannot interleave with it.
 
-The pool holds at most `pool_bytes`. When this rank's share is larger, the call writes what the
-pool holds, waits for that write and goes on filling the pool: the stall then includes those
-writes. A single chunk larger than the pool is written from its own memory during the call.
+The pool holds at most `pool_bytes`. When this rank's share is larger, the call takes the path's
+lease, writes what the pool holds, waits for that write and goes on filling the pool: the stall
+then includes those writes. A single chunk larger than the pool is written from its own memory
+during the call. Otherwise the lease, like every write, is taken in the background.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
-from .checkpoint import SaveSteps, data_file, write_file
+from .checkpoint import SaveSteps, data_file, staging_bytes, write_file
 from .errors import OlmoChunksError
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
@@ -86,7 +87,7 @@ def async_save(
     steps = SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
                       block_size=block_size, workers=workers)
     try:
-        chunks = steps.plan(state_dict)
+        chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
         written, batch, part = _stage(steps, chunks, slot, pool_bytes)
     except BaseException:
         steps.__exit__(None, None, None)
@@ -97,8 +98,9 @@ def async_save(
 
     def finish() -> None:
         try:
-            name = data_file(steps.save_id, steps.group.rank, part)
             with steps:
+                steps.lease()
+                name = data_file(steps.save_id, steps.group.rank, part)
                 steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers)
                                                 if batch else []))
             steps.log(t0)
@@ -120,7 +122,7 @@ def _stage(steps: SaveSteps, chunks: list[tuple[str, tuple, torch.Tensor]], slot
     the batch left in the pool for the background write, and the number of data files used."""
     sizes = [t.numel() * t.element_size() for _, _, t in chunks]
     cuda = any(t.is_cuda for _, _, t in chunks)
-    need = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+    need = staging_bytes(chunks)
     pool = slot.buffer(need, pool_bytes, cuda and torch.cuda.is_available()) if need else None
     stream = torch.cuda.Stream() if cuda else None
     written: list[_core.WrittenChunk] = []

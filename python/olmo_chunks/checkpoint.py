@@ -105,6 +105,11 @@ def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, t
     return out
 
 
+def staging_bytes(chunks: list[tuple[str, tuple, torch.Tensor]]) -> int:
+    """Host bytes that staging `chunks` back to back takes (each starting at a multiple of 64)."""
+    return sum(-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in chunks)
+
+
 def data_file(save_id: str, rank: int, part: int) -> str:
     """The name of data file `part` of `rank` in save `save_id`."""
     return f"data/{save_id}/rank-{rank:05d}" + (f"-{part:03d}" if part else "") + ".bin"
@@ -203,10 +208,10 @@ def save(
 
 
 class SaveSteps:
-    """One collective save in its two steps, shared by `save` and `async_save`: `plan` (every rank
-    describes its state, rank 0 checks and plans it and takes the path's lease) and `commit` (every
-    rank writes its share, rank 0 commits). Leaving the `with` block without a commit abandons the
-    save, leaving the path as it was."""
+    """One collective save in its steps, shared by `save` and `async_save`: `plan` (every rank
+    describes its state, rank 0 checks and plans it and takes the path's lease, unless told to
+    leave that to `lease`) and `commit` (every rank writes its share, rank 0 commits). Leaving the
+    `with` block without a commit abandons the save, leaving the path as it was."""
 
     def __init__(self, group: Group, path: str | os.PathLike[str], *, roles: Mapping[str, str] | None,
                  info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None) -> None:
@@ -217,11 +222,14 @@ class SaveSteps:
         self.nbytes = 0
         self._root: dict[str, Any] = {}
 
-    def plan(self, state_dict: Mapping[str, Any]) -> list[tuple[str, tuple, torch.Tensor]]:
-        """The chunks `(key, region, data)` this rank writes (replicated ones are written once)."""
+    def plan(self, state_dict: Mapping[str, Any], *,
+             defer_lease_within: int | None = None) -> list[tuple[str, tuple, torch.Tensor]]:
+        """The chunks `(key, region, data)` this rank writes (replicated ones are written once).
+        With `defer_lease_within`, the lease is left to `lease()` if every rank's tensors fit in that
+        many staging bytes (nothing is written before `commit` then)."""
         local: dict[str, Any] = {}
 
-        def describe_local() -> tuple[dict, dict]:
+        def describe_local() -> tuple[dict, dict, bool]:
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
             tensors, chunks = {}, []
@@ -230,16 +238,27 @@ class SaveSteps:
                 tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
                 chunks.extend((key, r, d) for r, d in regions)
             local["chunks"] = chunks
-            return tensors, {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
+            plain = {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
+            fits = defer_lease_within is not None and staging_bytes(chunks) <= defer_lease_within
+            return tensors, plain, fits
 
-        def begin(gathered: list[tuple[dict, dict]]) -> list[tuple[str, list[int]]]:
-            assign, self._root["schema"], self._root["entries"] = _plan(gathered)
-            txn = self._root["txn"] = _core.SaveTransaction.begin(
-                str(self.target), self.overwrite, self.group.peer_timeout)
-            return [(txn.save_id, mine) for mine in assign]
+        def begin(gathered: list[tuple[dict, dict, bool]]) -> list[tuple[str, list[int]]]:
+            assign, self._root["schema"], self._root["entries"] = _plan([(t, p) for t, p, _ in gathered])
+            save_id = "" if all(fits for *_, fits in gathered) else self._take_lease()
+            return [(save_id, mine) for mine in assign]
 
         _, (self.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
         return [local["chunks"][i] for i in mine]
+
+    def lease(self) -> None:
+        """Takes the path's lease if `plan` left it (collective)."""
+        if not self.save_id:
+            _, self.save_id = self.group.exchange(None, lambda _: self._take_lease())
+
+    def _take_lease(self) -> str:
+        txn = self._root["txn"] = _core.SaveTransaction.begin(str(self.target), self.overwrite,
+                                                              self.group.peer_timeout)
+        return txn.save_id
 
     def commit(self, write: Callable[[], list[_core.WrittenChunk]]) -> None:
         """Runs `write` (this rank's share) on every rank; rank 0 then commits the manifest."""

@@ -296,12 +296,10 @@ def _native_regions(
     data = data.contiguous()
     if tuple(src.saved_shape) == tuple(src.shape):
         return [(("box", off, size), data)]
-    from .mapping import _runs
-
     flat = data.reshape(-1)
     return [
         (("flat", [start], [length]), flat[local : local + length])
-        for start, length, local in _runs(src.shape, off, size)
+        for start, length, local in _core.box_runs(list(src.shape), list(off), list(size))
     ]
 
 

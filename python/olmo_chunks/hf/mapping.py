@@ -313,7 +313,7 @@ class NativeSource:
         if tuple(self.saved_shape) == tuple(self.shape):
             return [(off, size, 0, _strides(size))]
         out = []
-        for start, length, local in _runs(self.shape, off, size):
+        for start, length, local in _core.box_runs(list(self.shape), list(off), list(size)):
             for o, s, ls, st in _core.flat_pieces(list(self.saved_shape), start, length):
                 out.append((o, s, ls + local, st))
         return out
@@ -325,32 +325,6 @@ def _strides(size: Sequence[int]) -> list[int]:
         st.append(acc)
         acc *= int(d)
     return st[::-1]
-
-
-def _runs(shape: Sequence[int], off: Sequence[int], size: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Contiguous runs `(flat_start, length, local_start)` of box `off`/`size` in the canonical
-    order of `shape`."""
-    n = len(shape)
-    if n == 0:
-        return [(0, 1, 0)]
-    if 0 in size:
-        return []
-    j = n - 1
-    while j > 0 and size[j] == shape[j]:
-        j -= 1
-    run = _numel(size[j:])
-    gstr = _strides(shape)
-    out = []
-
-    def rec(d: int, base: int) -> None:
-        if d == j:
-            out.append((base + off[j] * gstr[j], run, len(out) * run))
-            return
-        for i in range(size[d]):
-            rec(d + 1, base + (off[d] + i) * gstr[d])
-
-    rec(0, 0)
-    return out
 
 
 @dataclass

@@ -351,6 +351,44 @@ fn flat_pieces(py: Python<'_>, shape: Vec<u64>, start: u64, len: u64) -> PyResul
         .collect())
 }
 
+/// Contiguous runs `(flat_start, len, local_start)` of the box `offsets`/`sizes` of a tensor of
+/// `shape`: flat positions in the canonical (row-major) order of `shape`, local ones in the box's
+/// own row-major order.
+#[pyfunction]
+fn box_runs(
+    py: Python<'_>,
+    shape: Vec<u64>,
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
+) -> PyResult<Vec<(u64, u64, u64)>> {
+    let r = Region::Box {
+        offsets: offsets.clone(),
+        sizes: sizes.clone(),
+    };
+    r.check_bounds(&shape)
+        .map_err(|why| to_pyerr(py, CoreError::InvalidArgument(why)))?;
+    let mut out = Vec::new();
+    if sizes.contains(&0) {
+        return Ok(out);
+    }
+    let global = Piece {
+        offsets: vec![0; shape.len()],
+        sizes: shape.clone(),
+        local_start: 0,
+        strides: core::region::row_major_strides(&shape),
+    };
+    let local = Piece {
+        offsets: offsets.clone(),
+        sizes: sizes.clone(),
+        local_start: 0,
+        strides: core::region::row_major_strides(&sizes),
+    };
+    core::region::for_each_run(&offsets, &sizes, &global, &local, |g, l, n| {
+        out.push((g, n, l))
+    });
+    Ok(out)
+}
+
 type PyBox = (Vec<u64>, Vec<u64>);
 
 /// Overlaps of saved and wanted boxes, one tensor per item of `tensors` (`(ndim, saved, wanted)`):
@@ -758,6 +796,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensorInfo>()?;
     m.add_class::<PyChunkInfo>()?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(box_runs, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
