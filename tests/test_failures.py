@@ -151,17 +151,24 @@ def _first_save(rank: int, path: str) -> None:
     olmo_chunks.save(full_state(rank, 4, 1), path)
 
 
+def _kill_trial(tmp_path: Path, fn: Any, victim: int, *args: Any) -> tuple[str, list, float]:
+    """A checkpoint saved on 4 ranks (version 1), then `fn(rank, path, *args, mark)` on a fresh
+    world of 4 where rank `victim` SIGKILLs itself, writing the time it died to `mark` first.
+    Returns the path, every rank's result (None for the victim) and the time of death."""
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
+    mark = str(tmp_path / "died")
+    results = run_raw(4, fn, path, *args, mark, timeout=90)
+    assert results[victim] is None, results
+    return path, results, float(Path(mark).read_text())
+
+
 @pytest.mark.parametrize(
     ("point", "victim"),
     [("describe", 2), ("write", 1), ("after-write", 3), ("commit", 0), ("load", 2), ("exchange", 0)],
 )
 def test_a_dead_rank_fails_every_survivor_in_bounded_time(tmp_path, point, victim):
-    path = str(tmp_path / "ckpt")
-    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
-    mark = str(tmp_path / "died")
-    results = run_raw(4, _save_and_maybe_die, path, point, victim, mark, timeout=90)
-    assert results[victim] is None, results
-    died = float(Path(mark).read_text())
+    path, results, died = _kill_trial(tmp_path, _save_and_maybe_die, victim, point, victim)
     for r, res in enumerate(results):
         if r == victim:
             continue
@@ -198,12 +205,7 @@ def test_a_rank_killed_at_a_random_moment_of_a_save(tmp_path, seed):
 
     rng = random.Random(seed)
     victim, delay = rng.randrange(4), rng.uniform(0.0, 0.6)
-    path = str(tmp_path / "ckpt")
-    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
-    mark = str(tmp_path / "died")
-    results = run_raw(4, _save_killed_after, path, victim, delay, mark, timeout=90)
-    assert results[victim] is None, results
-    died = float(Path(mark).read_text())
+    path, results, died = _kill_trial(tmp_path, _save_killed_after, victim, victim, delay)
     survivors = [res for r, res in enumerate(results) if r != victim]
     if all(res[:2] == ("ok", "done") for res in survivors):
         assert holds(path, 2, 4)  # it died after the commit
@@ -481,12 +483,7 @@ def _dcp_step_and_maybe_die(rank: int, path: str, step: str, victim: int, mark: 
 
 @pytest.mark.parametrize(("step", "victim"), [("save", 2), ("load", 1)])
 def test_a_dead_rank_never_hangs_the_dcp_door(tmp_path, step, victim):
-    path = str(tmp_path / "ckpt")
-    assert all(r[0] == "ok" for r in run_raw(4, _first_save, path))
-    mark = str(tmp_path / "died")
-    results = run_raw(4, _dcp_step_and_maybe_die, path, step, victim, mark, timeout=90)
-    assert results[victim] is None, results
-    died = float(Path(mark).read_text())
+    path, results, died = _kill_trial(tmp_path, _dcp_step_and_maybe_die, victim, step, victim)
     for r, res in enumerate(results):
         if r != victim:
             assert res[0] == "err", (r, res)
