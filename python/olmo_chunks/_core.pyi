@@ -121,25 +121,20 @@ def box_overlaps(
 class TensorSchema:
     """A global tensor as a save describes it."""
 
-    key: str
-    dtype: str
-    shape: list[int]
-    role: str
     def __new__(cls, key: str, dtype: str, shape: list[int], role: str) -> Self: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def role(self) -> str: ...
 
 @final
 class WrittenChunk:
     """One chunk a rank wrote: its region of tensor `key` and where its bytes lie (picklable)."""
 
-    key: str
-    kind: str
-    offsets: list[int]
-    sizes: list[int]
-    file: str
-    file_size: int
-    offset: int
-    nbytes: int
-    checksums: list[int]
     def __new__(
         cls,
         key: str,
@@ -152,6 +147,24 @@ class WrittenChunk:
         nbytes: int,
         checksums: list[int],
     ) -> Self: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def sizes(self) -> list[int]: ...
+    @property
+    def file(self) -> str: ...
+    @property
+    def file_size(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def checksums(self) -> list[int]: ...
 
 def write_chunks(
     dir: str,
