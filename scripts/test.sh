@@ -13,5 +13,7 @@ echo "[test] ruff" >&2
 ruff check python tests benches examples
 echo "[test] stubtest (python/olmo_chunks/_core.pyi against the built extension)" >&2
 python -m mypy.stubtest olmo_chunks._core
+echo "[test] mypy (the package)" >&2
+python -m mypy
 echo "[test] pytest" >&2
 python -m pytest -q -p no:cacheprovider "$@"

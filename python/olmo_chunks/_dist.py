@@ -88,7 +88,7 @@ class Group:
         self.seq = 0
         if self.size == 1:
             return
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store: Any = dist.distributed_c10d._get_default_store()  # takes bytes values too
         name = "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
         with _calls_lock:
             call = _calls[name] = _calls.get(name, 0) + 1
@@ -112,7 +112,7 @@ class Group:
         self.seq += 1
         if self.size == 1:
             mine = local() if local else None
-            out = root([mine]) if root else None
+            out: Any = root([mine]) if root else None
             return mine, (out[0] if scatter else out)
         key = f"{self.prefix}/{self.seq}"
         mine, failure = None, None
@@ -168,7 +168,7 @@ class Group:
             raise
         if self.seq > 1:  # every rank has read it: each has sent this step's message since
             self.store.delete_key(f"{self.prefix}/{self.seq - 1}/out")
-        out = root(results) if root else None
+        out: Any = root(results) if root else None
         if not scatter:
             self._publish(key, ("ok", out))
             return out

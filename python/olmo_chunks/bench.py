@@ -19,6 +19,7 @@ this module.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -107,7 +108,7 @@ def model_spec(size_bytes: int) -> list[TensorSpec]:
             (f"{b}.feed_forward_moe.experts.w1", (NUM_EXPERTS, d, d), True),
             (f"{b}.feed_forward_moe.experts.w2", (NUM_EXPERTS, d, d), True),
         ]
-    out = []
+    out: list[TensorSpec] = []
     for key, shape, expert in params:
         for prefix, suffix in (("model.", ""), ("optim.state.", ".exp_avg"), ("optim.state.", ".exp_avg_sq")):
             out.append(TensorSpec(prefix + key + suffix, shape, expert, len(out)))
@@ -121,6 +122,10 @@ def state_nbytes(specs: Iterable[TensorSpec]) -> int:
 def _values(index: torch.Tensor, seed: int) -> torch.Tensor:
     """FP32 values of global canonical indices: exact integers in [1, 2^24), varied and never 0."""
     return ((index * 40503 + seed * 7919) % 16777213 + 1).to(torch.float32)
+
+
+def _range_values(start: int, length: int, seed: int) -> torch.Tensor:
+    return _values(torch.arange(start, start + length, dtype=torch.int64), seed)
 
 
 def _box_values(offsets: Iterable[int], sizes: Iterable[int], shape: tuple[int, ...],
@@ -194,8 +199,7 @@ def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
             held.native[s.key] = el.view(storage)
             held.dcp[s.key] = dt
             held.locals[s.key] = storage
-            held.expect[s.key] = lambda start=start, length=length, seed=s.seed: _values(
-                torch.arange(start, start + length, dtype=torch.int64), seed)
+            held.expect[s.key] = functools.partial(_range_values, start, length, s.seed)
         else:
             dt = distribute_tensor(torch.empty(s.shape, device="meta"), dense_mesh, [Shard(lo.dense_dim)],
                                    src_data_rank=None)
@@ -205,8 +209,7 @@ def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
             (piece,) = dtensor_pieces(dt)
             held.native[s.key] = held.dcp[s.key] = dt
             held.locals[s.key] = local
-            held.expect[s.key] = lambda p=piece, shape=s.shape, seed=s.seed: _box_values(
-                p.global_offsets, p.sizes, shape, seed)
+            held.expect[s.key] = functools.partial(_box_values, piece.global_offsets, piece.sizes, s.shape, s.seed)
     return held
 
 
@@ -261,7 +264,7 @@ class _PeakRss:
 
 
 def _raw_write(path: str, buf: torch.Tensor) -> None:
-    mv = memoryview(buf.numpy()).cast("B")
+    mv = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         pos = 0
@@ -279,7 +282,7 @@ def _raw_write(path: str, buf: torch.Tensor) -> None:
 
 def _raw_read(files: list[tuple[str, int]], start: int, out: torch.Tensor) -> None:
     """Reads bytes `start .. start + len(out)` of the concatenation of `files` into `out`."""
-    mv = memoryview(out.numpy()).cast("B")
+    mv = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
     pos, base = 0, 0
     for path, size in files:
         lo, hi = max(start, base), min(start + len(mv), base + size)

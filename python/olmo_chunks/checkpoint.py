@@ -232,7 +232,8 @@ class SaveSteps:
         def describe_local() -> tuple[dict, dict, bool]:
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
-            tensors, chunks = {}, []
+            tensors: dict[str, tuple] = {}
+            chunks: list[tuple[str, tuple, torch.Tensor]] = []
             for key, s in shards.items():
                 regions = list(s.regions())
                 tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])

@@ -127,7 +127,9 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _load_direct(manifest: _core.Manifest, fills: list[Fill], verify: bool, workers: int | None) -> None:
     """One core call: each storage is one buffer, each destination addressed inside it."""
-    targets, buffers, index = [], [], {}
+    targets: list[tuple[int, Pieces, int]] = []
+    buffers: list[tuple[int, int]] = []
+    index: dict[int, int] = {}
     for f in fills:
         storage = f.dest.untyped_storage()
         sptr = storage.data_ptr()

@@ -174,7 +174,7 @@ def load_trainer_state(
         saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
         prefix = f"{RNG_PREFIX}{_rank_key(group.rank)}."
         shapes = {t.key[len(prefix):]: t.shape for t in manifest.tensors if t.key.startswith(prefix)}
-        mine = None
+        mine: dict[str, Any] | None = None
         if saved_layout == here and "torch" in shapes:
             cuda = sorted(int(k.split(".")[1]) for k in shapes if k.startswith("cuda."))
             want_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0

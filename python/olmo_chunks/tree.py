@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
     out: dict[str, Leaf] = {}
 
     def visit(prefix: str, container: Any, slot: Any, value: Any, depth: int = 0) -> None:
+        items: Iterable[tuple[Any, Any]]
         if isinstance(value, Mapping) and _has_tensor(value, prefix, depth):
             items = value.items()
         elif isinstance(value, (list, tuple)) and _has_tensor(value, prefix, depth):

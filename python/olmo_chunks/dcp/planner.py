@@ -111,11 +111,11 @@ def read_items_for_chunk_lists(
     """Per `(fqn, global size, saved chunks, local chunks)`: the read items DCP's
     `create_read_items_for_chunk_list` makes (one per overlapping saved/local pair, same indices
     and offsets), computed in one call to the Rust band index for all tensors."""
-    # torch.Size is a tuple: the binding reads it as is
     overlaps = (
         _core.box_overlaps(
             [
-                (len(size), [(c.offsets, c.sizes) for c in saved], [(c.offsets, c.sizes) for c in local])
+                (len(size), [(list(c.offsets), list(c.sizes)) for c in saved],
+                 [(list(c.offsets), list(c.sizes)) for c in local])
                 for _, size, saved, local in tensors
             ]
         )

@@ -234,13 +234,13 @@ def export_checkpoint(
             "padded_vocab_size": plan.padded_vocab_size,
         }
     }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (INDEX_NAME, "model.safetensors"):
-        (out / stale).unlink(missing_ok=True)
-    for stale in out.glob("model-*-of-*.safetensors"):
-        stale.unlink()
-    writer = ShardedWriter(out, planned, max_shard_bytes=max_shard_bytes, index_metadata=meta)
+        (out_dir / stale).unlink(missing_ok=True)
+    for old in out_dir.glob("model-*-of-*.safetensors"):
+        old.unlink()
+    writer = ShardedWriter(out_dir, planned, max_shard_bytes=max_shard_bytes, index_metadata=meta)
     load = _native_loader(manifest, workers)
     try:
         for e, (_, od, _) in zip(plan.entries, planned, strict=True):
@@ -260,7 +260,7 @@ def export_checkpoint(
         raise
     index = writer.close()
     if cfg is not None:
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return index
 
 
@@ -528,11 +528,11 @@ def _compare(
             failures += [f"{e.hf_name}: {w}" for w in why]
         records.append(rec)
     for name in sorted(set(hf.tensors) - expected):
-        why = "extra: the mapping produces no such tensor from the native checkpoint"
+        extra = "extra: the mapping produces no such tensor from the native checkpoint"
         records.append(
-            {"name": name, "status": "fail", "reasons": [why], "shape": list(hf.tensors[name].shape)}
+            {"name": name, "status": "fail", "reasons": [extra], "shape": list(hf.tensors[name].shape)}
         )
-        failures.append(f"{name}: {why}")
+        failures.append(f"{name}: {extra}")
     for name in sorted(set(hf.duplicates) - expected):
         failures.append(f"{name}: duplicate: stored in {', '.join(hf.duplicates[name])}")
     return records, failures

@@ -561,7 +561,8 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
 
 def plan_identity(manifest: Any, roles: Sequence[str]) -> TensorPlan:
     """Every saved tensor of the given roles under its own name, unchanged."""
-    entries, ignored = [], {}
+    entries: list[Planned] = []
+    ignored: dict[str, int] = {}
     for i, t in enumerate(manifest.tensors):
         key, dtype, shape, role = t.key, t.dtype, t.shape, t.role
         if role not in roles:

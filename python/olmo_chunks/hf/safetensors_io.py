@@ -146,7 +146,11 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
     # Keep every (name, entry) pair: a name given twice in one header is a duplicate, not an update.
     pairs: list[list[tuple[str, Any]]] = []
     try:
-        parsed = json.loads(header.decode("utf-8"), object_pairs_hook=lambda kv: pairs.append(kv) or dict(kv))
+        def keep(kv: list[tuple[str, Any]]) -> dict[str, Any]:
+            pairs.append(kv)
+            return dict(kv)
+
+        parsed = json.loads(header.decode("utf-8"), object_pairs_hook=keep)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: header is not JSON ({exc})") from None
     if not isinstance(parsed, dict):
@@ -166,7 +170,9 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
     data_start = 8 + n
     spans = []
     for name, e in entries:
-        dt, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        dt: Any = e.get("dtype")
+        shape: Any = e.get("shape")
+        offs: Any = e.get("data_offsets")
         if dt not in _ST_DTYPES:
             raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {dt!r}")
         ok_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
@@ -243,11 +249,11 @@ class SafetensorsDir:
                 self.tensors[name] = t
         if weight_map is not None:
             for name, fname in weight_map.items():
-                t = self.tensors.get(name)
-                if t is None:
+                found = self.tensors.get(name)
+                if found is None:
                     self.problems.append(f"{name}: listed in {INDEX_NAME} ({fname}) but in no file")
-                elif t.file.name != fname and name not in self.duplicates:
-                    self.problems.append(f"{name}: index says {fname}, stored in {t.file.name}")
+                elif found.file.name != fname and name not in self.duplicates:
+                    self.problems.append(f"{name}: index says {fname}, stored in {found.file.name}")
             for name in self.tensors:
                 if name not in weight_map:
                     self.problems.append(
@@ -300,7 +306,7 @@ class SafetensorsDir:
         buf = torch.empty(count, dtype=t.dtype)
         if count == 0:
             return buf
-        view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+        view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         try:
             with open(t.file, "rb") as f:
                 pos, done = t.start + start * item, 0
@@ -390,7 +396,7 @@ class ShardedWriter:
         if p.written + data.nbytes > p.nbytes:
             raise InvalidArgumentError(f"{name}: more bytes than its shape {list(p.shape)} holds")
         pos = self._data_start[p.file] + p.start + p.written
-        view = memoryview(data).cast("B")
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
         done = 0
         try:
             while done < len(view):
