@@ -490,3 +490,15 @@ def test_a_dead_rank_never_hangs_the_dcp_door(tmp_path, step, victim):
             # DCP's own collective after our step fails too, bounded by min(peer_timeout, 10 s).
             assert res[2] - died < 2 * PEER_TIMEOUT + 8, (r, res[2] - died, res)
     assert holds(path, 1, 4)
+
+
+def test_coordination_messages_are_data_not_code():
+    import pickle
+
+    from olmo_chunks import _dist
+
+    chunk = _core.WrittenChunk("w", "box", [0], [4], "data/x/rank-00000.bin", 64, 0, 16, [1])
+    got = _dist._loads(pickle.dumps(("ok", [chunk, {"k": (1, 2.5, "s", b"b", None)}])))
+    assert got[1][0].key == "w" and got[1][1] == {"k": (1, 2.5, "s", b"b", None)}
+    with pytest.raises(olmo_chunks.OlmoChunksError, match=r"names posix\.system; refused"):
+        _dist._loads(pickle.dumps(os.system))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import pickle
 import threading
 import time
@@ -35,6 +36,24 @@ _POLL = 0.5
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# Classes a coordination message may name (besides plain containers, strings and numbers).
+_MESSAGE_CLASSES = {("olmo_chunks._core", "WrittenChunk"), ("olmo_chunks._core", "TensorSchema")}
+
+
+class _MessageUnpickler(pickle.Unpickler):
+    """Reads the ranks' messages from the store (unauthenticated, like every c10d store): plain
+    data and the core's records only, never arbitrary code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _MESSAGE_CLASSES:
+            return super().find_class(module, name)
+        raise OlmoChunksError(f"a coordination message in the rendezvous store names {module}.{name}; refused")
+
+
+def _loads(data: bytes) -> Any:
+    return _MessageUnpickler(io.BytesIO(data)).load()
 
 
 class _Heartbeat:
@@ -124,7 +143,7 @@ class Group:
             if self.rank == 0:
                 out = self._root_side(key, mine, failure, root, scatter)
             else:
-                out = self._peer_side(key, mine, failure, scatter)
+                out = self._peer_side(key, mine if root else None, failure, scatter)
         except RankFailedError:
             raise
         except BaseException as exc:
@@ -186,13 +205,13 @@ class Group:
             raise failure
         out_key = f"{key}/out"
         self._wait_for([out_key], {0: out_key})
-        status, payload = pickle.loads(self.store.get(out_key))
+        status, payload = _loads(self.store.get(out_key))
         if status == "fail":
             msg, rank, dead = payload
             raise RankFailedError(msg, rank=rank, dead=dead)
         if scatter:
             mine_key = f"{out_key}/{self.rank}"
-            payload = pickle.loads(self.store.get(mine_key))
+            payload = _loads(self.store.get(mine_key))
             self.store.delete_key(mine_key)
         return payload
 
@@ -217,7 +236,7 @@ class Group:
             self._wait_for(list(missing.values()), missing, return_early=True)
             for r in [r for r, k in missing.items() if self.store.check([k])]:
                 k = missing.pop(r)
-                msg = pickle.loads(self.store.get(k))
+                msg = _loads(self.store.get(k))
                 self.store.delete_key(k)
                 yield r, msg
 
@@ -235,7 +254,7 @@ class Group:
                 if "timeout" not in str(exc).lower():
                     raise
             if self.rank == 0 and self.store.check([f"{self.prefix}/abort"]):
-                msg, rank = pickle.loads(self.store.get(f"{self.prefix}/abort"))
+                msg, rank = _loads(self.store.get(f"{self.prefix}/abort"))
                 raise RankFailedError(msg, rank=rank)
             now = time.monotonic()
             for r, k in watched.items():
