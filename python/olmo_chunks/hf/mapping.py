@@ -34,6 +34,7 @@ from .. import _core, values
 from ..errors import InvalidArgumentError
 from ..roles import MAIN_WEIGHT
 from ..shards import torch_dtype
+from .safetensors_io import _numel, _strides
 
 __all__ = [
     "BUILTIN_MAPPINGS",
@@ -55,13 +56,6 @@ __all__ = [
 FORMAT = "olmo-chunks-mapping/1"
 BUILTIN_MAPPINGS = ("olmo2", "olmoe", "olmoe-fused")
 _VAR = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _natural(s: str) -> list:
@@ -317,14 +311,6 @@ class NativeSource:
             for o, s, ls, st in _core.flat_pieces(list(self.saved_shape), start, length):
                 out.append((o, s, ls + local, st))
         return out
-
-
-def _strides(size: Sequence[int]) -> list[int]:
-    st, acc = [], 1
-    for d in reversed(size):
-        st.append(acc)
-        acc *= int(d)
-    return st[::-1]
 
 
 @dataclass
