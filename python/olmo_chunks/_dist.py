@@ -22,6 +22,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
@@ -158,6 +159,23 @@ class Group:
     def agree(self, fn: Callable[[], Any]) -> Any:
         """Runs `fn` on every rank and returns its result once every rank has succeeded."""
         return self.exchange(fn)[0]
+
+    def devices(self) -> set[str]:
+        """Devices whose tensors the group's collectives take: "cpu" with gloo, "cuda" with NCCL."""
+        backend = str(dist.get_backend(self.pg)).lower()
+        return {d for d, b in (("cpu", "gloo"), ("cuda", "nccl")) if b in backend}
+
+    def broadcast_bytes(self, data: bytes | None, n: int) -> bytes:
+        """Rank 0's `data` (`n` bytes) on every rank, through the group's collectives."""
+        if self.rank == 0:
+            assert data is not None and len(data) == n
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        if "cpu" not in self.devices():
+            buf = buf.to("cuda")
+        dist.broadcast(buf, src=self.global_ranks[0], group=self.pg)
+        return data if data is not None else buf.cpu().numpy().tobytes()
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _core, values
+from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
-from .errors import InvalidArgumentError, MismatchError
+from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
 from .fill import STAGING_BYTES, Fill, fill
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import Leaf, flatten
 
-__all__ = ["LoadReport", "load", "local_path", "save"]
+__all__ = ["LoadReport", "load", "local_path", "open_manifest", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,32 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     return Path(s)
 
 
+def open_manifest(group: Group, path: str | os.PathLike[str]) -> _core.Manifest:
+    """The manifest committed at `path` (collective): rank 0 alone reads it from storage and the
+    group's collectives hand its bytes to the others, so metadata reads do not grow with ranks.
+    An error opening it is raised on every rank, as the same error."""
+    where = str(local_path(path))
+    if group.size == 1:
+        return _core.Manifest.open(where)
+    raw: list[bytes] = []
+
+    def read(_: list[None]) -> tuple[str, Any, str]:
+        try:
+            raw.append(_core.Manifest.read_bytes(where))
+        except OlmoChunksError as exc:
+            return ("error", type(exc).__name__, str(exc))
+        return ("ok", len(raw[0]), "")
+
+    _, (status, got, message) = group.exchange(None, read)
+    if status == "error":
+        cls = getattr(errors, got, None)
+        simple = isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
+            cls, (MismatchError, RankFailedError))
+        raise (cls if simple else OlmoChunksError)(message)
+    data = group.agree(lambda: group.broadcast_bytes(raw[0] if raw else None, got))
+    return _core.Manifest.from_bytes(where, data)
+
+
 @dataclass
 class LoadReport:
     """What `load` did: keys loaded, and (with `strict=False`) what it skipped and why."""
@@ -53,6 +79,11 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    # How the bytes came: "once" (each block read by one rank, handed to the others) or "direct";
+    # with "once", the rounds and the most bytes this rank read, sent and received in one.
+    read: str = "direct"
+    rounds: int = 0
+    round_peak_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -296,13 +327,17 @@ def load(
     verify: bool = True,
     workers: int | None = None,
     peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    read: str = "once",
 ) -> LoadReport:
     """Fills `state_dict` in place from checkpoint `path`, whatever layout either side has.
 
     Every tensor (plain, DTensor or `ChunkSource`) receives exactly the elements of the global
-    tensor it holds, read once per rank in parallel and checked against block checksums
-    (`verify`). Plain values are replaced. A model conversion (missing or extra keys, a shape,
-    dtype or role mismatch) raises one `MismatchError` listing every mismatch; with `strict=False`
+    tensor it holds, read in parallel and checked against block checksums (`verify`). With
+    `read="once"` (the default) each saved block the job needs is read from storage by one rank
+    and handed to the other ranks that need it through the group's collectives (in rounds of at
+    most `OLMO_CHUNKS_STAGING_BYTES` per rank); `read="direct"` has every rank read what it needs
+    itself. The manifest is read by rank 0 and broadcast. Plain values are replaced. A model
+    conversion (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError` listing every mismatch; with `strict=False`
     what matches is loaded and the rest reported in the returned `LoadReport`.
 
     `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,
@@ -312,11 +347,9 @@ def load(
     """
     t0 = time.perf_counter()
     group = Group(process_group, peer_timeout)
-    nbytes = 0
+    manifest = open_manifest(group, path)
 
-    def run() -> LoadReport:
-        nonlocal nbytes
-        manifest = _core.Manifest.open(str(local_path(path)))
+    def check() -> tuple[LoadReport, list[Fill], dict[str, Leaf], dict[str, Any]]:
         leaves = flatten(state_dict)
         shards = _describe_all(leaves, roles)
         saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
@@ -361,20 +394,22 @@ def load(
             if s.local.numel() and not is_dense(s.local):
                 raise InvalidArgumentError(f"{key}: the destination's elements share memory (an expanded or "
                                            "self-overlapping view); load into a tensor with memory of its own")
-        fill(manifest, [Fill(key, saved[key][0], s.local, s.core_pieces, s.dtype) for key, s in wanted],
-             verify=verify, workers=workers)
         report.loaded.extend(key for key, _ in wanted)
-        nbytes = sum(s.local.numel() * s.local.element_size() for _, s in wanted)
-        for key, leaf in leaves.items():
-            if not leaf.is_tensor and key in entries:
-                if isinstance(leaf.container, tuple):
-                    continue
-                leaf.container[leaf.slot] = values.decode(entries[key], key)
-                report.loaded.append(key)
-        report.loaded.sort()
-        return report
+        fills = [Fill(key, saved[key][0], s.local, s.core_pieces, s.dtype) for key, s in wanted]
+        return report, fills, leaves, entries
 
-    report = group.agree(run)
+    report, fills, leaves, entries = group.agree(check)
+    stats = fill(manifest, fills, verify=verify, workers=workers, group=group, read=read)
+    if stats is not None:
+        report.read, report.rounds, report.round_peak_bytes = "once", stats.rounds, stats.peak_bytes
+    nbytes = sum(f.dest.numel() * f.dest.element_size() for f in fills)
+    for key, leaf in leaves.items():
+        if not leaf.is_tensor and key in entries:
+            if isinstance(leaf.container, tuple):
+                continue
+            leaf.container[leaf.slot] = values.decode(entries[key], key)
+            report.loaded.append(key)
+    report.loaded.sort()
     if group.rank == 0:
         _log_summary("loaded", nbytes, "from", path, t0, f"rank 0 of {group.size}")
     return report

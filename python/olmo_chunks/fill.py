@@ -6,6 +6,12 @@ another dtype, elements sharing memory) goes through CPU staging buffers, at mos
 at a time whatever the destinations' dtype or device (pinned for CUDA), and is copied into place by
 torch. A destination that is the same memory as another key's (tied weights) is filled once and
 checked: the checkpoint must hold the same bytes for both keys.
+
+Across the ranks of a job (`read="once"`, the default), a saved block that several ranks need is
+read from storage by one of them and handed to the others with torch collectives (`all_to_all` on
+gloo for CPU, on NCCL for CUDA destinations): the core plans which rank reads what (`ReadOnce`,
+`plan_read_once`), in rounds in which no rank reads, sends and receives more than `STAGING_BYTES`.
+When no block is needed by two ranks, every rank reads its own, as with `read="direct"`.
 """
 
 from __future__ import annotations
@@ -13,14 +19,19 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import _core
-from .errors import MismatchError
+from ._dist import Group
+from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
 from .shards import is_dense
 
-__all__ = ["STAGING_BYTES", "Fill", "fill"]
+__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "ReadOnceStats", "fill"]
+
+READ_MODES = ("once", "direct")
 
 # Host memory used at a time to stage destinations the core cannot fill in place.
 STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
@@ -41,9 +52,27 @@ class Fill:
     saved_dtype: torch.dtype
 
 
-def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None) -> None:
-    """Fills every `Fill.dest` from `manifest` (see the module docstring)."""
+@dataclass
+class ReadOnceStats:
+    """A cooperative load's rounds, and the most bytes this rank read, sent and received in one."""
+
+    rounds: int
+    peak_bytes: int
+
+
+def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None,
+         group: Group | None = None, read: str = "once") -> ReadOnceStats | None:
+    """Fills every `Fill.dest` from `manifest` (see the module docstring). With a `group` of
+    several ranks every rank calls this together (collective), with the same `read`. Returns the
+    cooperative load's figures, or None when each rank read its own bytes."""
+    if read not in READ_MODES:
+        raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
     direct, staged, tied = _classify(fills)
+    force = os.environ.get("OLMO_CHUNKS_READ_ONCE") == "always"  # benchmarks: the rounds even alone
+    if group is not None and read == "once" and (group.size > 1 or force):
+        stats = _read_once(manifest, direct, staged, tied, group, verify, workers, force)
+        if stats is not None:
+            return stats
     if direct:
         _load_direct(manifest, direct, verify, workers)
     for batch in _batches(staged):
@@ -51,6 +80,7 @@ def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, worke
     first = {id(f): key for f, key in tied}
     for batch in _batches([f for f, _ in tied]):
         _check_tied(batch, _load_staged(manifest, batch, verify, workers), first)
+    return None
 
 
 def _copy_into_place(batch: list[Fill], stages: list[torch.Tensor]) -> None:
@@ -165,3 +195,128 @@ def _batches(fills: list[Fill]) -> Iterator[list[Fill]]:
         size += nbytes
     if batch:
         yield batch
+
+
+def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill], tied: list[tuple[Fill, str]],
+               group: Group, verify: bool, workers: int | None, force: bool) -> ReadOnceStats | None:
+    """The cooperative load (collective). Returns None, having read nothing, when no saved block
+    is needed by two ranks (and not `force`): each rank then reads its own."""
+    order = direct + staged + [f for f, _ in tied]
+    lens = [_span(f.dest)[1] - f.dest.data_ptr() if i < len(direct) else f.dest.numel() * f.saved_dtype.itemsize
+            for i, f in enumerate(order)]
+    cuda = any(f.dest.is_cuda for f in order)
+    ro: Any = None
+
+    def needs() -> tuple[bytes, bool]:
+        nonlocal ro
+        targets = []
+        for i, f in enumerate(order):
+            like = f.dest if i < len(direct) else torch.empty(f.dest.shape, dtype=f.saved_dtype, device="meta")
+            pieces = f.pieces(like)
+            if pieces:
+                targets.append((f.tensor, pieces, i))
+        ro = _core.ReadOnce(manifest, targets, lens)
+        return ro.needs(), cuda and torch.cuda.is_available()
+
+    def plan(results: list[tuple[bytes, bool]]) -> list[tuple[bytes | None, str]]:
+        plans = _core.plan_read_once(manifest, [n for n, _ in results], STAGING_BYTES, force)
+        device = _exchange_device(group, any(c for _, c in results), all(c for _, c in results))
+        return [(None if plans is None else p, device) for p in (plans or [None] * len(results))]
+
+    _, (mine, device) = group.exchange(needs, plan, scatter=True)
+    if mine is None:
+        return None
+    ro.start(mine)
+    first: dict[int, list[int]] = {}
+    last: dict[int, list[int]] = {}
+    for i, span in enumerate(ro.buffer_rounds()):
+        if span is not None:
+            first.setdefault(span[0], []).append(i)
+            last.setdefault(span[1], []).append(i)
+    buffers = [(f.dest.data_ptr(), n) if i < len(direct) else (0, 0) for i, (f, n) in enumerate(zip(order, lens))]
+    stages: dict[int, torch.Tensor] = {}
+    tied_to = {id(f): key for f, key in tied}
+    pin = cuda and torch.cuda.is_available()
+    held: dict[str, Any] = {"copied": 0}
+
+    def read(k: int) -> None:
+        """Allocates the stages round `k` starts, reads its blocks and packs what peers need."""
+        for i in first.get(k, []):
+            if i >= len(direct):
+                f = order[i]
+                stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=pin)
+                buffers[i] = (stages[i].data_ptr(), lens[i])
+        n_read, sends, recvs = ro.round_sizes(k)
+        held["read"] = torch.empty(n_read, dtype=torch.uint8, pin_memory=pin)
+        send = torch.empty(sum(n for _, n in sends), dtype=torch.uint8, pin_memory=pin)
+        ro.read(k, _addr(held["read"]), _addr(send), verify, workers)
+        # Everything the exchange needs is allocated here, where a failure still reaches every
+        # rank before any of them enters the collective.
+        held["exchange"] = _Exchange(group, device, send, sends, recvs)
+
+    def step(k: int) -> None:
+        """Round `k`'s exchange and copies into place, then round `k + 1`'s reads."""
+        recv, mine = held.pop("exchange").run(), held.pop("read")  # alive until copied from
+        held["copied"] += ro.fill(k, _addr(mine), _addr(recv), buffers, workers)
+        done = [i for i in last.get(k, []) if i in stages]
+        into = [order[i] for i in done if id(order[i]) not in tied_to]
+        _copy_into_place(into, [stages[i] for i in done if id(order[i]) not in tied_to])
+        checks = [i for i in done if id(order[i]) in tied_to]
+        _check_tied([order[i] for i in checks], [stages[i] for i in checks], tied_to)
+        for i in done:
+            del stages[i]
+            buffers[i] = (0, 0)
+        if k + 1 < ro.rounds:
+            read(k + 1)
+        elif held["copied"] != ro.total:
+            raise OlmoChunksError(f"internal error: a cooperative load copied {held['copied']} of {ro.total} bytes")
+
+    if ro.rounds:
+        group.agree(lambda: read(0))
+    for k in range(ro.rounds):
+        group.agree(lambda k=k: step(k))
+    sizes = [ro.round_sizes(k) for k in range(ro.rounds)]
+    peak = max((r + sum(n for _, n in sends) + sum(n for _, n in recvs) for r, sends, recvs in sizes), default=0)
+    return ReadOnceStats(ro.rounds, peak)
+
+
+def _addr(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel()
+
+
+def _exchange_device(group: Group, any_cuda: bool, all_cuda: bool) -> str:
+    """Where the ranks exchange bytes: on CUDA (NCCL) when the destinations are there and the group
+    can, else on the CPU (gloo); on CUDA also when the group has no CPU backend."""
+    if group.size == 1:
+        return "cpu"
+    devices = group.devices()
+    if "cpu" not in devices:
+        return "cuda"
+    return "cuda" if any_cuda and all_cuda and "cuda" in devices else "cpu"
+
+
+class _Exchange:
+    """One all-to-all of bytes: this rank's `send` (packed for peers in rank order, `sends` giving
+    `(peer, bytes)`) for the `(peer, bytes)` of `recvs`; on CUDA through device buffers."""
+
+    def __init__(self, group: Group, device: str, send: torch.Tensor, sends: list[tuple[int, int]],
+                 recvs: list[tuple[int, int]]) -> None:
+        self.group = group
+        self.ins = [0] * group.size
+        self.outs = [0] * group.size
+        for p, n in sends:
+            self.ins[p] = n
+        for p, n in recvs:
+            self.outs[p] = n
+        self.send = send if device == "cpu" else send.to(device, non_blocking=True)
+        self.recv = torch.empty(sum(self.outs), dtype=torch.uint8, device=device)
+        self.host = None if device == "cpu" else torch.empty(self.recv.numel(), dtype=torch.uint8, pin_memory=True)
+
+    def run(self) -> torch.Tensor:
+        """The received bytes, in CPU memory."""
+        if self.group.size > 1:
+            dist.all_to_all_single(self.recv, self.send, self.outs, self.ins, group=self.group.pg)
+        if self.host is None:
+            return self.recv
+        self.host.copy_(self.recv)
+        return self.host

@@ -29,7 +29,7 @@ pub fn default_workers() -> usize {
 }
 
 /// Runs `job` on each item of `work` from `workers` scoped threads; the first error stops the rest.
-fn run_parallel<T: Send>(
+pub(crate) fn run_parallel<T: Send>(
     work: Vec<T>,
     workers: usize,
     job: impl Fn(T) -> Result<()> + Sync,
@@ -207,6 +207,42 @@ fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
     (m.tensors[t].key.clone(), c - m.chunk_start[t])
 }
 
+/// Carves each copy its own disjoint slice of its destination (`copies[i].dst` indexes `dests`).
+/// Fails if a copy lies outside its destination or two copies' destination ranges overlap.
+pub(crate) fn carve<'a>(
+    copies: &[ByteCopy],
+    dests: Vec<&'a mut [u8]>,
+) -> Result<Vec<&'a mut [u8]>> {
+    let mut order: Vec<usize> = (0..copies.len()).collect();
+    order.sort_unstable_by_key(|&i| (copies[i].dst, copies[i].dst_off));
+    let mut slices: Vec<Option<&mut [u8]>> = (0..copies.len()).map(|_| None).collect();
+    let mut rest: Vec<Option<(u64, &mut [u8])>> = dests.into_iter().map(|d| Some((0, d))).collect();
+    for &i in &order {
+        let c = copies[i];
+        let outside =
+            || CoreError::InvalidArgument(format!("copy {c:?} lies outside its destination"));
+        let (cursor, buf) = rest.get_mut(c.dst).ok_or_else(outside)?.take().unwrap();
+        if c.dst_off < cursor {
+            return Err(CoreError::InvalidArgument(format!(
+                "destination ranges overlap in buffer {}",
+                c.dst
+            )));
+        }
+        let end = c
+            .dst_off
+            .checked_add(c.len)
+            .filter(|&e| e - cursor <= buf.len() as u64);
+        if end.is_none() {
+            return Err(outside());
+        }
+        let (_, tail) = buf.split_at_mut((c.dst_off - cursor) as usize);
+        let (mine, tail) = tail.split_at_mut(c.len as usize);
+        slices[i] = Some(mine);
+        rest[c.dst] = Some((c.dst_off + c.len, tail));
+    }
+    Ok(slices.into_iter().map(Option::unwrap).collect())
+}
+
 /// Executes `copies` from the checkpoint in `dir` into `dests`, reading every needed block of
 /// every chunk once, in parallel, straight into the destination where a whole unit lands in one
 /// place, and verifying block checksums when `verify` is set. Destination ranges must not overlap.
@@ -245,25 +281,7 @@ pub fn read_from(
             )));
         }
     }
-    // Carve each copy its own disjoint destination slice.
-    let mut order: Vec<usize> = (0..copies.len()).collect();
-    order.sort_unstable_by_key(|&i| (copies[i].dst, copies[i].dst_off));
-    let mut slices: Vec<Option<&mut [u8]>> = (0..copies.len()).map(|_| None).collect();
-    let mut rest: Vec<Option<(u64, &mut [u8])>> = dests.into_iter().map(|d| Some((0, d))).collect();
-    for &i in &order {
-        let c = copies[i];
-        let (cursor, buf) = rest[c.dst].take().unwrap();
-        if c.dst_off < cursor {
-            return Err(CoreError::InvalidArgument(format!(
-                "destination ranges overlap in buffer {}",
-                c.dst
-            )));
-        }
-        let (_, tail) = buf.split_at_mut((c.dst_off - cursor) as usize);
-        let (mine, tail) = tail.split_at_mut(c.len as usize);
-        slices[i] = Some(mine);
-        rest[c.dst] = Some((c.dst_off + c.len, tail));
-    }
+    let slices = carve(&copies, dests)?.into_iter().map(Some).collect();
     // Open and size-check every data file that is needed.
     let mut files: Vec<Option<(Box<dyn Object>, PathBuf)>> =
         (0..m.files.len()).map(|_| None).collect();

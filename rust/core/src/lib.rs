@@ -1,6 +1,7 @@
 //! olmo-chunks core: the checkpoint format, chunk indexing and intersection, copy planning and
 //! parallel positional I/O. No Python here: it works on byte slices, paths and plans.
 
+pub mod coop;
 pub mod dtype;
 pub mod error;
 pub mod fsutil;

@@ -360,6 +360,11 @@ impl Manifest {
 
     /// Reads the committed manifest of checkpoint directory `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::decode(&Self::read_bytes(dir)?, &dir.join(MANIFEST_NAME))
+    }
+
+    /// The bytes of the committed manifest of checkpoint directory `dir`, not decoded.
+    pub fn read_bytes(dir: &Path) -> Result<Vec<u8>> {
         let missing = |reason: String| CoreError::NotACheckpoint {
             path: dir.to_path_buf(),
             reason,
@@ -370,12 +375,16 @@ impl Manifest {
         if !dir.is_dir() {
             return Err(missing("not a directory".into()));
         }
-        Self::open_from(&crate::storage::LocalFs::new(dir))
+        Self::get_from(&crate::storage::LocalFs::new(dir))
     }
 
     /// Reads the committed manifest at the root of `storage`: like a data object, only a regular
     /// object, never through a symlink or from a FIFO.
     pub fn open_from(storage: &dyn crate::storage::Storage) -> Result<Self> {
+        Self::decode(&Self::get_from(storage)?, &storage.name(MANIFEST_NAME))
+    }
+
+    fn get_from(storage: &dyn crate::storage::Storage) -> Result<Vec<u8>> {
         match storage.get(MANIFEST_NAME) {
             Err(CoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
                 Err(CoreError::NotACheckpoint {
@@ -385,8 +394,7 @@ impl Manifest {
                     ),
                 })
             }
-            Err(e) => Err(e),
-            Ok(bytes) => Self::decode(&bytes, &storage.name(MANIFEST_NAME)),
+            other => other,
         }
     }
 

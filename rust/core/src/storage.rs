@@ -23,6 +23,25 @@ pub struct IoCounters {
     pub written: AtomicU64,
 }
 
+/// Bytes moved through every storage of this process.
+pub static PROCESS_IO: IoCounters = IoCounters {
+    read: AtomicU64::new(0),
+    written: AtomicU64::new(0),
+};
+
+impl IoCounters {
+    /// Counts `n` bytes read, here and in [`PROCESS_IO`].
+    pub fn add_read(&self, n: u64) {
+        self.read.fetch_add(n, Ordering::Relaxed);
+        PROCESS_IO.read.fetch_add(n, Ordering::Relaxed);
+    }
+    /// Counts `n` bytes written, here and in [`PROCESS_IO`].
+    pub fn add_written(&self, n: u64) {
+        self.written.fetch_add(n, Ordering::Relaxed);
+        PROCESS_IO.written.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 /// A data object open for positional I/O.
 pub trait Object: Send + Sync {
     /// Size in bytes when opened.
@@ -91,7 +110,7 @@ impl Object for LocalObject {
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             };
-            self.counters.read.fetch_add(n as u64, Ordering::Relaxed);
+            self.counters.add_read(n as u64);
             offset += n as u64;
             IoSliceMut::advance_slices(&mut rest, n);
         }
@@ -100,9 +119,7 @@ impl Object for LocalObject {
 
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
         self.file.write_all_at(data, offset)?;
-        self.counters
-            .written
-            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        self.counters.add_written(data.len() as u64);
         Ok(())
     }
 
@@ -134,9 +151,7 @@ impl Storage for LocalFs {
         open_beneath(&self.root, rel)?
             .read_to_end(&mut bytes)
             .map_err(|e| CoreError::io(self.name(rel), e))?;
-        self.counters
-            .read
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.counters.add_read(bytes.len() as u64);
         Ok(bytes)
     }
 

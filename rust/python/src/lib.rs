@@ -127,6 +127,26 @@ impl PyManifest {
         })
     }
 
+    /// Decodes manifest bytes read by another rank ([`Manifest.read_bytes`]) for the checkpoint at
+    /// `path`.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, path: PathBuf, data: &[u8]) -> PyResult<Self> {
+        let name = path.join(core::MANIFEST_NAME);
+        let data = data.to_vec();
+        let m = detach(py, move || Manifest::decode(&data, &name))?;
+        Ok(PyManifest {
+            inner: Arc::new(m),
+            dir: path,
+        })
+    }
+
+    /// The committed manifest's bytes, read (with the checks of `open`) but not decoded.
+    #[staticmethod]
+    fn read_bytes(py: Python<'_>, path: PathBuf) -> PyResult<Py<pyo3::types::PyBytes>> {
+        let bytes = detach(py, || Manifest::read_bytes(&path))?;
+        Ok(pyo3::types::PyBytes::new(py, &bytes).unbind())
+    }
+
     #[getter]
     fn format_version(&self) -> u32 {
         core::FORMAT_VERSION
@@ -300,21 +320,8 @@ impl PyManifest {
         workers: Option<usize>,
     ) -> PyResult<()> {
         let (m, dir) = (self.inner.clone(), self.dir.clone());
-        let mut ts = Vec::with_capacity(targets.len());
-        for (tensor, pieces, dest) in targets {
-            let Some(&(_, dest_len)) = buffers.get(dest) else {
-                return Err(to_pyerr(
-                    py,
-                    CoreError::InvalidArgument(format!("buffer index {dest} out of range")),
-                ));
-            };
-            ts.push(core::Target {
-                tensor,
-                pieces: pieces.into_iter().map(piece).collect(),
-                dest,
-                dest_len: dest_len as u64,
-            });
-        }
+        let lens: Vec<usize> = buffers.iter().map(|b| b.1).collect();
+        let ts = to_targets(targets, &lens).map_err(|e| to_pyerr(py, e))?;
         detach(py, move || {
             let copies = core::plan_copies(&m, &ts)?;
             core::read_into(
@@ -327,6 +334,224 @@ impl PyManifest {
             )
         })
     }
+}
+
+/// Core targets from `(tensor_index, pieces, buffer_index)` over buffers of `lens` bytes.
+fn to_targets(
+    targets: Vec<(usize, Vec<PyPiece>, usize)>,
+    lens: &[usize],
+) -> Result<Vec<core::Target>, CoreError> {
+    targets
+        .into_iter()
+        .map(|(tensor, pieces, dest)| {
+            let Some(&dest_len) = lens.get(dest) else {
+                return Err(CoreError::InvalidArgument(format!(
+                    "buffer index {dest} out of range"
+                )));
+            };
+            Ok(core::Target {
+                tensor,
+                pieces: pieces.into_iter().map(piece).collect(),
+                dest,
+                dest_len: dest_len as u64,
+            })
+        })
+        .collect()
+}
+
+/// One rank's side of a cooperative load (see `olmo_chunks.fill`): its byte copies, what it needs
+/// of each saved block, and, once planned, its rounds.
+#[pyclass(name = "ReadOnce", module = "olmo_chunks._core")]
+struct PyReadOnce {
+    m: Arc<Manifest>,
+    dir: PathBuf,
+    copies: Vec<core::ByteCopy>,
+    buffers: usize,
+    plan: core::coop::ReadPlan,
+    by_round: Vec<Vec<core::ByteCopy>>,
+}
+
+impl PyReadOnce {
+    fn round(&self, py: Python<'_>, k: usize) -> PyResult<&core::coop::Round> {
+        self.plan.rounds.get(k).ok_or_else(|| {
+            to_pyerr(
+                py,
+                CoreError::InvalidArgument(format!("round {k} out of range")),
+            )
+        })
+    }
+}
+
+#[pymethods]
+impl PyReadOnce {
+    /// Plans the copies of `targets` (`(tensor_index, pieces, buffer_index)`) into buffers of
+    /// `buffer_lens` bytes, as `Manifest.load` does.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        manifest: &PyManifest,
+        targets: Vec<(usize, Vec<PyPiece>, usize)>,
+        buffer_lens: Vec<usize>,
+    ) -> PyResult<Self> {
+        let m = manifest.inner.clone();
+        let ts = to_targets(targets, &buffer_lens).map_err(|e| to_pyerr(py, e))?;
+        let mm = m.clone();
+        let copies = detach(py, move || core::plan_copies(&mm, &ts))?;
+        Ok(PyReadOnce {
+            m,
+            dir: manifest.dir.clone(),
+            copies,
+            buffers: buffer_lens.len(),
+            plan: Default::default(),
+            by_round: Vec::new(),
+        })
+    }
+    /// Bytes all copies move.
+    #[getter]
+    fn total(&self) -> u64 {
+        self.copies.iter().map(|c| c.len).sum()
+    }
+    /// What this rank needs of each saved block, in the wire form `plan_read_once` takes.
+    fn needs(&self, py: Python<'_>) -> Py<pyo3::types::PyBytes> {
+        let needs = core::coop::needs(&self.m, &self.copies);
+        pyo3::types::PyBytes::new(py, &core::coop::encode_needs(&needs)).unbind()
+    }
+    /// Takes this rank's plan (one item of `plan_read_once`'s result).
+    fn start(&mut self, py: Python<'_>, plan: &[u8]) -> PyResult<()> {
+        self.plan = core::coop::ReadPlan::decode(plan).map_err(|e| to_pyerr(py, e))?;
+        self.by_round = self.plan.copies_by_round(&self.m, &self.copies);
+        Ok(())
+    }
+    #[getter]
+    fn rounds(&self) -> usize {
+        self.plan.rounds.len()
+    }
+    /// `(read_bytes, [(peer, send_bytes)], [(peer, recv_bytes)])` of round `k`.
+    #[allow(clippy::type_complexity)]
+    fn round_sizes(
+        &self,
+        py: Python<'_>,
+        k: usize,
+    ) -> PyResult<(u64, Vec<(u32, u64)>, Vec<(u32, u64)>)> {
+        let r = self.round(py, k)?;
+        let sizes = |peers: &[(u32, Vec<core::coop::Span>)]| {
+            peers
+                .iter()
+                .map(|(p, s)| (*p, s.iter().map(|s| s.hi - s.lo).sum()))
+                .collect()
+        };
+        Ok((r.read_len(), sizes(&r.sends), sizes(&r.recvs)))
+    }
+    /// `(first, last)` round writing into each buffer, `None` for a buffer no round writes.
+    fn buffer_rounds(&self) -> Vec<Option<(usize, usize)>> {
+        let mut out: Vec<Option<(usize, usize)>> = vec![None; self.buffers];
+        for (k, copies) in self.by_round.iter().enumerate() {
+            for c in copies {
+                let e = out[c.dst].get_or_insert((k, k));
+                e.1 = k;
+            }
+        }
+        out
+    }
+    /// Reads round `k`'s blocks into `read` and packs what goes to each peer into `send`
+    /// (`(address, nbytes)` of CPU buffers).
+    #[pyo3(signature = (k, read, send, verify=true, workers=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        read: (usize, usize),
+        send: (usize, usize),
+        verify: bool,
+        workers: Option<usize>,
+    ) -> PyResult<()> {
+        let round = self.round(py, k)?;
+        let (m, dir) = (&self.m, &self.dir);
+        detach(py, move || {
+            let mut bufs = as_slices(&[read, send])?.into_iter();
+            let (r, s) = (bufs.next().unwrap(), bufs.next().unwrap());
+            let storage = core::LocalFs::new(dir);
+            core::coop::read_round(&storage, m, round, r, s, verify, worker_count(workers))
+        })
+    }
+    /// Copies round `k`'s part of the load from the bytes read (`read`) and received (`recv`)
+    /// into `buffers`; returns the bytes copied.
+    #[pyo3(signature = (k, read, recv, buffers, workers=None))]
+    fn fill(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        read: (usize, usize),
+        recv: (usize, usize),
+        buffers: Vec<(usize, usize)>,
+        workers: Option<usize>,
+    ) -> PyResult<u64> {
+        let round = self.round(py, k)?;
+        let copies = &self.by_round[k];
+        if buffers.len() != self.buffers {
+            return Err(to_pyerr(
+                py,
+                CoreError::InvalidArgument(format!(
+                    "{} buffers given for {}",
+                    buffers.len(),
+                    self.buffers
+                )),
+            ));
+        }
+        detach(py, move || {
+            let mut sides = as_slices(&[read, recv])?.into_iter();
+            let (r, v) = (sides.next().unwrap(), sides.next().unwrap());
+            core::coop::fill_round(
+                round,
+                r,
+                v,
+                copies,
+                as_slices(&buffers)?,
+                worker_count(workers),
+            )
+        })
+    }
+}
+
+/// Plans a cooperative load from every rank's `ReadOnce.needs()` (in rank order): one plan per
+/// rank, in rounds within `budget` bytes per rank. `None` when no saved block is needed by more
+/// than one rank (each rank then reads its own) unless `force`.
+#[pyfunction]
+#[pyo3(signature = (manifest, needs, budget, force=false))]
+fn plan_read_once(
+    py: Python<'_>,
+    manifest: &PyManifest,
+    needs: Vec<Vec<u8>>,
+    budget: u64,
+    force: bool,
+) -> PyResult<Option<Vec<Py<pyo3::types::PyBytes>>>> {
+    let m = manifest.inner.clone();
+    let plans = detach(py, move || {
+        let needs = needs
+            .iter()
+            .map(|b| core::coop::decode_needs(b))
+            .collect::<core::Result<Vec<_>>>()?;
+        if !force && !core::coop::shared(&needs) {
+            return Ok(None);
+        }
+        let plans = core::coop::plan(&m, &needs, budget)?;
+        Ok(Some(plans.iter().map(|p| p.encode()).collect::<Vec<_>>()))
+    })?;
+    Ok(plans.map(|ps| {
+        ps.iter()
+            .map(|p| pyo3::types::PyBytes::new(py, p).unbind())
+            .collect()
+    }))
+}
+
+/// Bytes read from and written to storage by this process so far, through the core.
+#[pyfunction]
+fn io_counters() -> (u64, u64) {
+    let c = &core::storage::PROCESS_IO;
+    (
+        c.read.load(Ordering::Relaxed),
+        c.written.load(Ordering::Relaxed),
+    )
 }
 
 fn piece((offsets, sizes, local_start, strides): PyPiece) -> Piece {
@@ -798,6 +1023,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_runs, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
+    m.add_class::<PyReadOnce>()?;
+    m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
+    m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;

@@ -1,0 +1,167 @@
+"""Cooperative loads on real gloo worlds: every saved byte read from storage once per job (the
+core's own byte counters), handed between ranks with collectives, bit-exact, within the budget."""
+
+from __future__ import annotations
+
+import olmo_chunks
+import pytest
+import torch
+import torch.distributed as dist
+from olmo_chunks import _core, fill
+from olmo_chunks.errors import ChecksumError, InvalidArgumentError, RankFailedError
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from tests import world
+
+ROWS, COLS = 1024, 1024  # 4 MiB of float32 per tensor: 4 blocks of the default 1 MiB
+KEYS = ("a", "b")
+
+
+def full(key: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(ord(key))
+    return torch.randn(ROWS, COLS, generator=g)
+
+
+def placements(name: str):
+    return {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}[name]
+
+
+def save_as(path: str, layout: str) -> None:
+    mesh = world.mesh((dist.get_world_size(),))
+    olmo_chunks.save({k: distribute_tensor(full(k), mesh, placements(layout)) for k in KEYS}, path)
+
+
+def load_as(path: str, layout: str, read: str, budget: int | None = None):
+    """Loads into zeroed DTensors of `layout` on this world; returns (bytes read from storage by
+    this rank, exact, report figures)."""
+    mesh = world.mesh((dist.get_world_size(),))
+    state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
+    old = fill.STAGING_BYTES
+    if budget is not None:
+        fill.STAGING_BYTES = budget
+    try:
+        before = _core.io_counters()[0]
+        report = olmo_chunks.load(state, path, read=read)
+        read_bytes = _core.io_counters()[0] - before
+    finally:
+        fill.STAGING_BYTES = old
+    exact = all(
+        torch.equal(state[k].to_local(), distribute_tensor(full(k), mesh, placements(layout)).to_local())
+        for k in KEYS
+    )
+    return read_bytes, exact, (report.read, report.rounds, report.round_peak_bytes)
+
+
+CHECKPOINT = len(KEYS) * ROWS * COLS * 4
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    paths = {}
+    for layout in ("S0", "R"):
+        paths[layout] = str(tmp_path_factory.mktemp(f"saved-{layout}"))
+        world.run(4, save_as, paths[layout], layout)
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "m", "direct_amplification"),
+    [("S0", "S1", 4, 4.0), ("S0", "R", 4, 4.0), ("R", "S0", 4, 1.0), ("S0", "S0", 2, 1.0)],
+)
+def test_each_saved_byte_is_read_once_per_job(saved, src, dst, m, direct_amplification):
+    manifest = len(_core.Manifest.read_bytes(saved[src]))
+    once = world.run(m, load_as, saved[src], dst, "once")
+    direct = world.run(m, load_as, saved[src], dst, "direct")
+    assert all(exact for _, exact, _ in once + direct)
+    # The manifest is read by rank 0 alone and broadcast.
+    total_once = sum(n for n, _, _ in once)
+    assert total_once - manifest <= 1.1 * CHECKPOINT, (src, dst, [n for n, _, _ in once])
+    assert total_once >= CHECKPOINT
+    total_direct = sum(n for n, _, _ in direct)
+    assert total_direct == pytest.approx(direct_amplification * CHECKPOINT + m * manifest, rel=0.02)
+    # Reading is spread over the ranks: none reads more than its share plus a block.
+    if direct_amplification > 1:
+        assert max(n for n, _, _ in once) <= CHECKPOINT / m + (1 << 20) + manifest
+        assert {r[2][0] for r in once} == {"once"}
+
+
+def test_rounds_stay_within_the_staging_budget(saved):
+    budget = 6 << 20
+    results = world.run(4, load_as, saved["S0"], "R", "once", budget)
+    # Each of 4 ranks needs all 8 MiB: it reads 2, sends 3 x 2 and receives 6 MiB.
+    per_rank = (2 + 6 + 6) << 20
+    for _, exact, (mode, rounds, peak) in results:
+        assert exact and mode == "once"
+        assert rounds >= -(-per_rank // budget)
+        assert 0 < peak <= budget
+
+
+def test_one_rank_alone_reads_directly_unless_told(saved, monkeypatch):
+    state = {k: torch.zeros(ROWS, COLS) for k in KEYS}
+    assert olmo_chunks.load(state, saved["R"]).read == "direct"
+    monkeypatch.setenv("OLMO_CHUNKS_READ_ONCE", "always")
+    for k in KEYS:
+        state[k].zero_()
+    report = olmo_chunks.load(state, saved["R"])
+    assert (report.read, report.rounds) == ("once", 1)
+    assert all(torch.equal(state[k], full(k)) for k in KEYS)
+
+
+def load_mixed(path: str) -> bool:
+    """Staged destinations (two keys' views interleaved in one storage) and a column-major one."""
+    both = torch.zeros(ROWS, 2 * COLS)
+    c = torch.zeros(COLS, ROWS).t()
+    state = {"a": both[:, :COLS], "b": both[:, COLS:], "c": c}
+    report = olmo_chunks.load(state, path)
+    return report.read == "once" and all(torch.equal(state[k], full(k)) for k in ("a", "b", "c"))
+
+
+def test_staged_destinations_on_every_rank(saved, tmp_path):
+    path = str(tmp_path / "plain")
+    olmo_chunks.save({k: full(k) for k in ("a", "b", "c")}, path)
+    assert world.run(3, load_mixed, path) == [True] * 3
+
+
+def load_tied(path: str) -> bool:
+    shared = torch.zeros(ROWS, COLS)
+    olmo_chunks.load({"a": shared, "a2": shared}, path)
+    return torch.equal(shared, full("a"))
+
+
+def test_tied_destinations_are_checked(tmp_path):
+    same, differ = str(tmp_path / "same"), str(tmp_path / "differ")
+    olmo_chunks.save({"a": full("a"), "a2": full("a")}, same)
+    olmo_chunks.save({"a": full("a"), "a2": full("b")}, differ)
+    assert world.run(2, load_tied, same) == [True, True]
+    with pytest.raises(world.WorldError, match="different values"):
+        world.run(2, load_tied, differ)
+
+
+def test_a_corrupt_block_fails_every_rank(saved, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "corrupt")
+    shutil.copytree(saved["S0"], path)
+    m = _core.Manifest.open(path)
+    info = m.files[m.chunks(0)[0].file]
+    with open(f"{path}/{info.path}", "r+b") as f:
+        f.seek(m.chunks(0)[0].offset + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(world.WorldError) as err:
+        world.run(4, load_as, path, "R", "once")
+    kinds = {f.type_name for f in err.value.failures}
+    assert len(err.value.failures) == 4 and kinds <= {ChecksumError.__name__, RankFailedError.__name__}
+    assert ChecksumError.__name__ in kinds
+
+
+def test_read_mode_is_checked(saved):
+    with pytest.raises(InvalidArgumentError, match="read must be one of"):
+        olmo_chunks.load({k: torch.zeros(ROWS, COLS) for k in KEYS}, saved["R"], read="twice")
+
+
+def test_a_missing_checkpoint_is_the_same_error_on_every_rank(tmp_path):
+    with pytest.raises(world.WorldError) as err:
+        world.run(2, load_as, str(tmp_path / "nothing"), "R", "once")
+    assert [f.type_name for f in err.value.failures] == ["CheckpointNotFoundError"] * 2
