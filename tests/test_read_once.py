@@ -85,6 +85,33 @@ def test_each_saved_byte_is_read_once_per_job(saved, src, dst, m, direct_amplifi
         assert {r[2][0] for r in once} == {"once"}
 
 
+def load_through_dcp(path: str, layout: str, read: str) -> tuple[int, bool]:
+    """`load_as` through torch DCP with `ChunkStoreReader` + `FastLoadPlanner`."""
+    import torch.distributed.checkpoint as dcp
+    from olmo_chunks.dcp import ChunkStoreReader, FastLoadPlanner
+
+    mesh = world.mesh((dist.get_world_size(),))
+    state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
+    before = _core.io_counters()[0]
+    dcp.load(state, storage_reader=ChunkStoreReader(path, read=read), planner=FastLoadPlanner())
+    read_bytes = _core.io_counters()[0] - before
+    exact = all(
+        torch.equal(state[k].to_local(), distribute_tensor(full(k), mesh, placements(layout)).to_local())
+        for k in KEYS
+    )
+    return read_bytes, exact
+
+
+def test_the_dcp_door_reads_once_too(saved):
+    manifest = len(_core.Manifest.read_bytes(saved["S0"]))
+    once = world.run(4, load_through_dcp, saved["S0"], "S1", "once")
+    direct = world.run(4, load_through_dcp, saved["S0"], "S1", "direct")
+    assert all(exact for _, exact in once + direct)
+    # DCP asks every rank for the metadata: each reads the manifest itself.
+    assert sum(n for n, _ in once) - 4 * manifest <= 1.1 * CHECKPOINT
+    assert sum(n for n, _ in direct) - 4 * manifest == pytest.approx(4 * CHECKPOINT, rel=0.02)
+
+
 def test_rounds_stay_within_the_staging_budget(saved):
     budget = 6 << 20
     results = world.run(4, load_as, saved["S0"], "R", "once", budget)

@@ -337,8 +337,9 @@ def load(
     and handed to the other ranks that need it through the group's collectives (in rounds of at
     most `OLMO_CHUNKS_STAGING_BYTES` per rank); `read="direct"` has every rank read what it needs
     itself. The manifest is read by rank 0 and broadcast. Plain values are replaced. A model
-    conversion (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError` listing every mismatch; with `strict=False`
-    what matches is loaded and the rest reported in the returned `LoadReport`.
+    conversion (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError`
+    listing every mismatch; with `strict=False` what matches is loaded and the rest reported in the
+    returned `LoadReport`.
 
     `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,
     the trainer state alone): checkpoint keys it lacks are not unexpected, while every key it has

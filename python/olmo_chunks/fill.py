@@ -155,22 +155,35 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _load_direct(manifest: _core.Manifest, fills: list[Fill], verify: bool, workers: int | None) -> None:
-    """One core call: each storage is one buffer, each destination addressed inside it."""
-    targets: list[tuple[int, Pieces, int]] = []
+def _storages(fills: list[Fill]) -> tuple[list[tuple[int, int]], Callable[[], list[tuple[int, Pieces, int]]]]:
+    """The distinct storages of `fills` as core buffers `(address, nbytes)`, and a function making
+    the fills' core targets `(tensor, pieces, buffer)`: each destination addressed inside its
+    storage, so destinations interleaved in one storage are one buffer."""
     buffers: list[tuple[int, int]] = []
     index: dict[int, int] = {}
     for f in fills:
         storage = f.dest.untyped_storage()
-        sptr = storage.data_ptr()
-        if sptr not in index:
-            index[sptr] = len(buffers)
-            buffers.append((sptr, storage.nbytes()))
-        shift = (f.dest.data_ptr() - sptr) // f.dest.element_size()
-        pieces = [(o, s, start + shift, st) for o, s, start, st in f.pieces(f.dest)]
-        if pieces:
-            targets.append((f.tensor, pieces, index[sptr]))
-    manifest.load(targets, buffers, verify=verify, workers=workers)
+        if storage.data_ptr() not in index:
+            index[storage.data_ptr()] = len(buffers)
+            buffers.append((storage.data_ptr(), storage.nbytes()))
+
+    def targets() -> list[tuple[int, Pieces, int]]:
+        out = []
+        for f in fills:
+            sptr = f.dest.untyped_storage().data_ptr()
+            shift = (f.dest.data_ptr() - sptr) // f.dest.element_size()
+            pieces = [(o, s, start + shift, st) for o, s, start, st in f.pieces(f.dest)]
+            if pieces:
+                out.append((f.tensor, pieces, index[sptr]))
+        return out
+
+    return buffers, targets
+
+
+def _load_direct(manifest: _core.Manifest, fills: list[Fill], verify: bool, workers: int | None) -> None:
+    """One core call: each storage is one buffer, each destination addressed inside it."""
+    buffers, targets = _storages(fills)
+    manifest.load(targets(), buffers, verify=verify, workers=workers)
 
 
 def _load_staged(manifest: _core.Manifest, fills: list[Fill], verify: bool, workers: int | None) -> list[torch.Tensor]:
@@ -202,17 +215,18 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
     """The cooperative load (collective). Returns None, having read nothing, when no saved block
     is needed by two ranks (and not `force`): each rank then reads its own."""
     order = direct + staged + [f for f, _ in tied]
-    lens = [_span(f.dest)[1] - f.dest.data_ptr() if i < len(direct) else f.dest.numel() * f.saved_dtype.itemsize
-            for i, f in enumerate(order)]
+    # Buffers: the storages of the destinations filled in place (as `_load_direct` has them), then
+    # one staging buffer per other destination, allocated while rounds write into it.
+    storages, targets_of = _storages(direct)
+    lens = [n for _, n in storages] + [f.dest.numel() * f.saved_dtype.itemsize for f in order[len(direct):]]
     cuda = any(f.dest.is_cuda for f in order)
     ro: Any = None
 
     def needs() -> tuple[bytes, bool]:
         nonlocal ro
-        targets = []
-        for i, f in enumerate(order):
-            like = f.dest if i < len(direct) else torch.empty(f.dest.shape, dtype=f.saved_dtype, device="meta")
-            pieces = f.pieces(like)
+        targets = targets_of()
+        for i, f in enumerate(order[len(direct):], start=len(storages)):
+            pieces = f.pieces(torch.empty(f.dest.shape, dtype=f.saved_dtype, device="meta"))
             if pieces:
                 targets.append((f.tensor, pieces, i))
         ro = _core.ReadOnce(manifest, targets, lens)
@@ -233,8 +247,9 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
         if span is not None:
             first.setdefault(span[0], []).append(i)
             last.setdefault(span[1], []).append(i)
-    buffers = [(f.dest.data_ptr(), n) if i < len(direct) else (0, 0) for i, (f, n) in enumerate(zip(order, lens))]
+    buffers = storages + [(0, 0)] * (len(order) - len(direct))
     stages: dict[int, torch.Tensor] = {}
+    fill_of = {len(storages) + j: f for j, f in enumerate(order[len(direct):])}
     tied_to = {id(f): key for f, key in tied}
     pin = cuda and torch.cuda.is_available()
     held: dict[str, Any] = {"copied": 0}
@@ -242,8 +257,8 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
     def read(k: int) -> None:
         """Allocates the stages round `k` starts, reads its blocks and packs what peers need."""
         for i in first.get(k, []):
-            if i >= len(direct):
-                f = order[i]
+            if i in fill_of:
+                f = fill_of[i]
                 stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=pin)
                 buffers[i] = (stages[i].data_ptr(), lens[i])
         n_read, sends, recvs = ro.round_sizes(k)
@@ -259,10 +274,10 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
         recv, mine = held.pop("exchange").run(), held.pop("read")  # alive until copied from
         held["copied"] += ro.fill(k, _addr(mine), _addr(recv), buffers, workers)
         done = [i for i in last.get(k, []) if i in stages]
-        into = [order[i] for i in done if id(order[i]) not in tied_to]
-        _copy_into_place(into, [stages[i] for i in done if id(order[i]) not in tied_to])
-        checks = [i for i in done if id(order[i]) in tied_to]
-        _check_tied([order[i] for i in checks], [stages[i] for i in checks], tied_to)
+        into = [i for i in done if id(fill_of[i]) not in tied_to]
+        _copy_into_place([fill_of[i] for i in into], [stages[i] for i in into])
+        checks = [i for i in done if id(fill_of[i]) in tied_to]
+        _check_tied([fill_of[i] for i in checks], [stages[i] for i in checks], tied_to)
         for i in done:
             del stages[i]
             buffers[i] = (0, 0)

@@ -31,13 +31,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _core, values
-from .._dist import DEFAULT_PEER_TIMEOUT
+from .._dist import DEFAULT_PEER_TIMEOUT, Group
 from ..errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     MismatchError,
 )
-from ..fill import Fill, fill
+from ..fill import READ_MODES, Fill, fill
 from ..shards import torch_dtype
 from .common import check_group, data_step, is_local_path, path_of
 from .values import dcp_leaves
@@ -46,7 +46,10 @@ from .values import dcp_leaves
 class ChunkStoreReader(StorageReader):
     """DCP `StorageReader` over an olmo-chunks checkpoint (saved by either front door).
 
-    `verify` checks block checksums of everything read; `workers` bounds the reading threads.
+    `verify` checks block checksums of everything read; `workers` bounds the reading threads;
+    `read="once"` (the default) has each saved block the job needs read by one rank and handed to
+    the others through the process group's collectives (see `olmo_chunks.load`), `"direct"` has
+    every rank read its own.
     `FileSystemReader`'s `_extension_registry` is accepted when empty (there are no stream
     transforms to undo).
     """
@@ -60,8 +63,12 @@ class ChunkStoreReader(StorageReader):
         _extension_registry: Any = None,
         process_group: dist.ProcessGroup | None = None,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        read: str = "once",
     ) -> None:
         super().__init__()
+        if read not in READ_MODES:
+            raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
+        self.read = read
         if _extension_registry is not None:
             raise InvalidArgumentError(
                 "ChunkStoreReader: _extension_registry is not supported; olmo-chunks stores raw "
@@ -158,13 +165,19 @@ class ChunkStoreReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        data_step(self.process_group, self.peer_timeout, lambda: self._read_items(plan, planner))
+        data_step(self.process_group, self.peer_timeout, lambda group: self._read_items(plan, planner, group))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        m = self._open()
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner, group: Group) -> None:
+        fills, resolved = group.agree(lambda: self._resolve(plan, planner))
+        fill(self._open(), fills, verify=self.verify, workers=self.workers, group=group, read=self.read)
+        group.agree(lambda: self._commit(plan, planner, resolved))
+
+    def _resolve(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[list[Fill], list[tuple[ReadItem, torch.Tensor]]]:
+        """The destinations of `plan`'s tensor reads, from the planner."""
+        self._open()
         fills: list[Fill] = []
         resolved: list[tuple[ReadItem, torch.Tensor]] = []
         for item in plan.items:
@@ -187,7 +200,10 @@ class ChunkStoreReader(StorageReader):
             offsets = [int(a) + int(b) for a, b in zip(base, item.storage_offsets, strict=True)]
             fills.append(Fill(fqn, ti, dest, functools.partial(_box_pieces, offsets), saved_dtype))
             resolved.append((item, dest))
-        fill(m, fills, verify=self.verify, workers=self.workers)
+        return fills, resolved
+
+    def _commit(self, plan: LoadPlan, planner: LoadPlanner, resolved: list[tuple[ReadItem, torch.Tensor]]) -> None:
+        """Hands the filled tensors and the plan's values to the planner."""
         for item, dest in resolved:
             planner.commit_tensor(item, dest)
         for item in plan.items:

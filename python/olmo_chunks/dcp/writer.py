@@ -161,7 +161,8 @@ class ChunkStoreWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            results = data_step(self.process_group, self.peer_timeout, lambda: self._write_items(plan, planner))
+            results = data_step(self.process_group, self.peer_timeout,
+                                lambda group: group.agree(lambda: self._write_items(plan, planner)))
         except BaseException:
             self._abort()  # the coordinator's: every rank has stopped writing by now
             raise
