@@ -63,7 +63,7 @@ def open_manifest(group: Group, path: str | os.PathLike[str]) -> _core.Manifest:
 
     _, (status, got, message) = group.exchange(None, read)
     if status == "error":
-        cls = getattr(errors, got, None)
+        cls = getattr(errors, got, OlmoChunksError)
         simple = isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
             cls, (MismatchError, RankFailedError))
         raise (cls if simple else OlmoChunksError)(message)

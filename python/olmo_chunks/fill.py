@@ -16,6 +16,7 @@ When no block is needed by two ranks, every rank reads its own, as with `read="d
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -235,7 +236,8 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
     def plan(results: list[tuple[bytes, bool]]) -> list[tuple[bytes | None, str]]:
         plans = _core.plan_read_once(manifest, [n for n, _ in results], STAGING_BYTES, force)
         device = _exchange_device(group, any(c for _, c in results), all(c for _, c in results))
-        return [(None if plans is None else p, device) for p in (plans or [None] * len(results))]
+        mine: list[bytes | None] = [None] * len(results) if plans is None else list(plans)
+        return [(p, device) for p in mine]
 
     _, (mine, device) = group.exchange(needs, plan, scatter=True)
     if mine is None:
@@ -289,7 +291,7 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
     if ro.rounds:
         group.agree(lambda: read(0))
     for k in range(ro.rounds):
-        group.agree(lambda k=k: step(k))
+        group.agree(functools.partial(step, k))
     sizes = [ro.round_sizes(k) for k in range(ro.rounds)]
     peak = max((r + sum(n for _, n in sends) + sum(n for _, n in recvs) for r, sends, recvs in sizes), default=0)
     return ReadOnceStats(ro.rounds, peak)

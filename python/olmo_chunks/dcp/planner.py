@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class FastLoadPlanner(DefaultLoadPlanner):
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
             local = _local_chunks(fqn, obj)
-            batch.append((fqn, smd.size, list(smd.chunks), local, len(requests)))
+            batch.append((fqn, smd.size, smd.chunks, local, len(requests)))
             requests.append(None)  # type: ignore[arg-type]  # placeholder, keeps state-dict order
         slots = dict(
             zip(
@@ -106,34 +107,43 @@ class FastLoadPlanner(DefaultLoadPlanner):
 
 
 def read_items_for_chunk_lists(
-    tensors: list[tuple[str, torch.Size, list[ChunkStorageMetadata], list[ChunkStorageMetadata]]],
+    tensors: list[tuple[str, torch.Size, Sequence[ChunkStorageMetadata], list[ChunkStorageMetadata]]],
 ) -> list[list[ReadItem]]:
     """Per `(fqn, global size, saved chunks, local chunks)`: the read items DCP's
     `create_read_items_for_chunk_list` makes (one per overlapping saved/local pair, same indices
-    and offsets), computed in one call to the Rust band index for all tensors."""
-    overlaps = (
-        _core.box_overlaps(
-            [
-                (len(size), [(list(c.offsets), list(c.sizes)) for c in saved],
-                 [(list(c.offsets), list(c.sizes)) for c in local])
-                for _, size, saved, local in tensors
-            ]
-        )
-        if tensors
-        else []
-    )
+    and offsets), computed by the Rust band index. Saved chunks that `ChunkStoreReader` listed
+    (`SavedChunks`) are read from its manifest, with no Python object per saved chunk."""
+    from .reader import SavedChunks
+
+    hits: list[list[tuple[int, int, list[int], list[int], list[int]]]] = [[] for _ in tensors]
+    lazy: dict[int, list[int]] = {}  # manifest -> positions of its tensors
+    plain: list[int] = []
+    for i, (_, _, saved, _) in enumerate(tensors):
+        (lazy.setdefault(id(saved.manifest), []) if isinstance(saved, SavedChunks) else plain).append(i)
+    for positions in lazy.values():
+        manifest = tensors[positions[0]][2].manifest  # type: ignore[attr-defined]
+        got = manifest.overlaps([(tensors[i][2].tensor,  # type: ignore[attr-defined]
+                                  [(list(c.offsets), list(c.sizes)) for c in tensors[i][3]]) for i in positions])
+        for i, h in zip(positions, got, strict=True):
+            hits[i] = h
+    if plain:
+        got = _core.box_overlaps([(len(tensors[i][1]), [(list(c.offsets), list(c.sizes)) for c in tensors[i][2]],
+                                   [(list(c.offsets), list(c.sizes)) for c in tensors[i][3]]) for i in plain])
+        for i, h in zip(plain, got, strict=True):
+            saved = tensors[i][2]
+            hits[i] = [(s, w, list(saved[s].offsets), offs, sizes) for s, w, offs, sizes in h]
     out = []
-    for (fqn, _, saved, local), hits in zip(tensors, overlaps, strict=True):
+    for (fqn, _, _, local), found in zip(tensors, hits, strict=True):
         items = []
-        for s, w, offs, sizes in hits:
-            sc, lc = saved[s], local[w]
+        for s, w, saved_offsets, offs, sizes in found:
+            lc = local[w]
             items.append(
                 ReadItem(
                     type=LoadItemType.TENSOR,
                     dest_index=MetadataIndex(fqn, lc.offsets, w),
                     dest_offsets=torch.Size([o - b for o, b in zip(offs, lc.offsets, strict=True)]),
-                    storage_index=MetadataIndex(fqn, sc.offsets, s),
-                    storage_offsets=torch.Size([o - b for o, b in zip(offs, sc.offsets, strict=True)]),
+                    storage_index=MetadataIndex(fqn, torch.Size(saved_offsets), s),
+                    storage_offsets=torch.Size([o - b for o, b in zip(offs, saved_offsets, strict=True)]),
                     lengths=torch.Size(sizes),
                 )
             )

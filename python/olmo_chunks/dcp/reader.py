@@ -7,9 +7,9 @@ import functools
 import io
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -114,16 +114,9 @@ class ChunkStoreReader(StorageReader):
         m = self._open()
         md: dict[str, Any] = {}
         for i, t in enumerate(m.tensors):
-            chunks = []
-            for c in m.chunks(i):
-                if c.kind == "box":
-                    if 0 not in c.sizes:
-                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)))
-                else:  # a flat range, presented as the boxes it decomposes into
-                    for offs, sizes, _, _ in _core.flat_pieces(list(t.shape), c.offsets[0], c.sizes[0]):
-                        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
             md[t.key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape), chunks=chunks
+                properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape),
+                chunks=SavedChunks(m, i),  # type: ignore[arg-type]
             )
         paths: dict[str, tuple] = {}
         for fqn, path in self._value_paths.items():
@@ -221,6 +214,42 @@ class ChunkStoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_local_path(checkpoint_id) and (Path(checkpoint_id) / _core.MANIFEST_NAME).is_file()
+
+
+class SavedChunks(Sequence[ChunkStorageMetadata]):
+    """A tensor's saved chunks as DCP's `ChunkStorageMetadata` list (empty boxes left out, a flat
+    range as the boxes it decomposes into), made on first use: `FastLoadPlanner` plans from the
+    manifest (`Manifest.overlaps`) and never makes them, so a checkpoint of millions of chunks
+    costs no Python object per chunk. Pickles as a plain list."""
+
+    def __init__(self, manifest: _core.Manifest, tensor: int) -> None:
+        self.manifest = manifest
+        self.tensor = tensor
+        self._items: list[ChunkStorageMetadata] | None = None
+
+    def items(self) -> list[ChunkStorageMetadata]:
+        if self._items is None:
+            self._items = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                           for o, s in self.manifest.saved_boxes(self.tensor)]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkStorageMetadata: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ChunkStorageMetadata]: ...
+    def __getitem__(self, i: int | slice) -> ChunkStorageMetadata | list[ChunkStorageMetadata]:
+        return self.items()[i]
+
+    def __eq__(self, other: object) -> bool:
+        return self.items() == (other.items() if isinstance(other, SavedChunks) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self.items(),))
 
 
 def _box_pieces(offsets: list[int], buf: torch.Tensor) -> list[tuple[list[int], list[int], int, list[int]]]:

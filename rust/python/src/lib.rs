@@ -229,6 +229,45 @@ impl PyManifest {
             })
             .collect())
     }
+    /// The saved chunks of tensor `t` as boxes `(offsets, sizes)`, as torch DCP lists them: empty
+    /// boxes left out, a flat range as the boxes it decomposes into.
+    fn saved_boxes(&self, py: Python<'_>, t: usize) -> PyResult<Vec<PyBox>> {
+        if t >= self.inner.tensors.len() {
+            return Err(to_pyerr(
+                py,
+                CoreError::InvalidArgument(format!("tensor index {t} out of range")),
+            ));
+        }
+        Ok(saved_boxes(&self.inner, t))
+    }
+    /// `box_overlaps` against the saved boxes of manifest tensors (`saved_boxes`): per item
+    /// `(tensor, wanted boxes)`, `(saved_index, wanted_index, saved_offsets, offsets, sizes)` for
+    /// every non-empty overlap. No Python object per saved chunk is made.
+    #[allow(clippy::type_complexity)]
+    fn overlaps(
+        &self,
+        py: Python<'_>,
+        items: Vec<(usize, Vec<PyBox>)>,
+    ) -> PyResult<Vec<Vec<(usize, usize, Vec<u64>, Vec<u64>, Vec<u64>)>>> {
+        let m = self.inner.clone();
+        detach(py, move || {
+            items
+                .iter()
+                .map(|(t, wanted)| {
+                    let Some(meta) = m.tensors.get(*t) else {
+                        return Err(CoreError::InvalidArgument(format!(
+                            "tensor index {t} out of range"
+                        )));
+                    };
+                    let saved = saved_boxes(&m, *t);
+                    Ok(core::box_overlaps(meta.shape.len(), &saved, wanted)?
+                        .into_iter()
+                        .map(|o| (o.saved, o.wanted, saved[o.saved].0.clone(), o.offsets, o.sizes))
+                        .collect())
+                })
+                .collect()
+        })
+    }
     /// Checks that every tensor is covered by its chunks exactly once.
     fn check_coverage(&self, py: Python<'_>) -> PyResult<()> {
         let m = self.inner.clone();
@@ -615,6 +654,22 @@ fn box_runs(
 }
 
 type PyBox = (Vec<u64>, Vec<u64>);
+
+fn saved_boxes(m: &Manifest, t: usize) -> Vec<PyBox> {
+    let shape = &m.tensors[t].shape;
+    let mut out = Vec::new();
+    for c in m.tensor_chunks(t) {
+        match &c.region {
+            Region::Box { offsets, sizes } => {
+                if !sizes.contains(&0) {
+                    out.push((offsets.clone(), sizes.clone()));
+                }
+            }
+            flat => out.extend(flat.pieces(shape).into_iter().map(|p| (p.offsets, p.sizes))),
+        }
+    }
+    out
+}
 
 /// Overlaps of saved and wanted boxes, one tensor per item of `tensors` (`(ndim, saved, wanted)`):
 /// per tensor, `(saved_index, wanted_index, offsets, sizes)` for every non-empty overlap, wanted
