@@ -31,7 +31,7 @@ def test_model_spec_is_olmo_like_and_sized() -> None:
 
 
 def test_reshard_bench_tiny(tmp_path: Path) -> None:
-    opts = bench.Options(size_bytes=3 << 20, reps=1, root=str(tmp_path), threads=(1, 2))
+    opts = bench.Options(size_bytes=3 << 20, reps=1, root=str(tmp_path), threads=(1, 2), storage_gbps=2.0)
     results = world.run(bench.WORLD, bench.run_on_rank, opts, timeout=600)
     res = results[0]
     assert results[1:] == [None] * (bench.WORLD - 1)
@@ -43,7 +43,13 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
     assert {(r["where"], r["method"]) for r in res["stage"]} == {
         (w, m) for w in saved for m in ("native", "dcp", "raw")}
     assert {(r["where"], r["method"]) for r in res["load"]} == {
-        (name, m) for name, _, _ in bench.PAIRS for m in contenders | {"raw", "native-noverify"}}
+        (name, m) for name, _, _ in bench.PAIRS for m in contenders | {"raw", "native-noverify", "native-direct"}}
+    for name, _, _ in bench.PAIRS:
+        read = {r["method"]: r["read_x"] for r in res["load"] if r["where"] == name}
+        assert read["raw"] == 1.0  # the loading ranks' shares of the raw files, once
+        # every contender reads at least the checkpoint's bytes; reading once never reads more than direct
+        assert all(x >= 1.0 for x in read.values()), read
+        assert read["native"] <= read["native-direct"] + 1e-9, read
     assert {(r["where"], r["method"]) for r in res["stall"]} == {
         (w, m) for w in saved for m in ("raw", "native", "native-async", "dcp-async")}
     for row in res["save"] + res["stage"] + res["stall"] + res["load"]:
@@ -63,7 +69,7 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
     assert "olmo_chunks async_save" in table and "DCP async_save" in table
     for label in ("olmo_chunks native", "olmo_chunks native, verify=False", "olmo_chunks via DCP",
                   "DCP FileSystemWriter t=2", "DCP FileSystemReader", "roofline: raw read", "roofline: raw write+fsync",
-                  "DCP DefaultStager", "warm page cache"):
+                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s", "read=direct", "read x"):
         assert label in table
     assert json.loads(json.dumps(res)) == res
     assert not (tmp_path / "bench").exists()
@@ -106,3 +112,21 @@ def test_gpu_check_skips_cleanly_without_cuda(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _bench_script("gpu_check").main([]) == 0
     assert "skipped" in capsys.readouterr().out
+
+
+def test_read_pace_caps_storage_reads() -> None:
+    import time
+
+    from olmo_chunks import _core
+
+    _core.set_read_pace(10_000_000)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            _core.pace_read(500_000)
+        paced = time.perf_counter() - t0
+    finally:
+        _core.set_read_pace(0)
+    t0 = time.perf_counter()
+    _core.pace_read(10**12)  # no cap: no wait
+    assert paced >= 0.19 and time.perf_counter() - t0 < paced

@@ -4,7 +4,8 @@ One world of real processes (gloo) holds a synthetic OLMo-like state (dense laye
 FP32 main weights, exp_avg, exp_avg_sq), saves it on N ranks in layout A and loads it on M ranks
 in layout B, for several pairs, through every contender on the same data:
 
-- `native`: `olmo_chunks.save` / `olmo_chunks.load` (experts as `ExpertFlatView`s),
+- `native`: `olmo_chunks.save` / `olmo_chunks.load` (experts as `ExpertFlatView`s; loads read each
+  saved block once per job, `native read=direct` has every rank read what it needs itself),
 - `ours-dcp`: `dcp.save` / `dcp.load` with `ChunkStoreWriter` / `ChunkStoreReader` + `FastLoadPlanner`,
 - `dcp-fs t=K`: `dcp.save` with `FileSystemWriter(thread_count=K)` (K = 1 and the core count), and
   `dcp.load` with `FileSystemReader`,
@@ -12,7 +13,10 @@ in layout B, for several pairs, through every contender on the same data:
   bytes read back from the page cache into preallocated memory by the loading ranks (raw read).
 
 Loads read a checkpoint written moments before (warm page cache) for every contender alike. Every
-load is checked bit-exact on the first repetition. `olmo-chunks bench` and `benches/reshard.py` run
+load is checked bit-exact on the first repetition, and counts the bytes it read from storage (all
+ranks together, over the checkpoint's bytes: `read x`). `--storage-gbps` models slower shared
+storage: each of the M loading ranks may read at most 1/M of that bandwidth (every contender's
+reads are paced alike), which is where reading each byte once pays. `olmo-chunks bench` and `benches/reshard.py` run
 this module.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import json
 import math
 import os
@@ -294,11 +299,67 @@ def _raw_read(files: list[tuple[str, int]], start: int, out: torch.Tensor) -> No
                     n = os.preadv(fd, [mv[pos : pos + min(hi - off, 64 << 20)]], off - base)
                     if n <= 0:
                         raise OSError(f"{path}: short read")
+                    _account(n)
                     off += n
                     pos += n
             finally:
                 os.close(fd)
         base += size
+
+
+_python_reads = 0  # bytes read from storage outside the core (DCP's reader, the raw read)
+
+
+def _account(n: int) -> None:
+    """Counts (and paces, under `--storage-gbps`) `n` bytes read outside the core."""
+    global _python_reads
+    from . import _core
+
+    _python_reads += n
+    _core.pace_read(n)
+
+
+def _storage_reads() -> int:
+    """Bytes this process has read from storage so far: through the core and outside it."""
+    from . import _core
+
+    return _core.io_counters()[0] + _python_reads
+
+
+class _CountedFile(io.FileIO):
+    """A data file whose reads are counted and paced like the core's."""
+
+    def readinto(self, b: Any) -> int | None:
+        n = super().readinto(b)
+        _account(n or 0)
+        return n
+
+    def readall(self) -> bytes:
+        data = super().readall()
+        _account(len(data))
+        return data
+
+
+def _counted_reader(path: str) -> Any:
+    """DCP's `FileSystemReader` on `path`, its reads counted and paced."""
+    import contextlib
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class CountedFS(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            if mode != "rb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with io.BufferedReader(_CountedFile(os.fspath(path), "r")) as stream:
+                yield stream
+
+    reader = FileSystemReader(path)
+    reader.fs = CountedFS()
+    return reader
 
 
 def _warm(paths: list[str], rank: int, ranks: int) -> None:
@@ -329,6 +390,7 @@ class Options:
     root: str = "/tmp"
     verify: bool = True
     threads: tuple[int, ...] = ()  # FileSystemWriter thread counts (default: 1 and the core count)
+    storage_gbps: float = 0.0  # shared storage bandwidth of loads (0: unbounded)
 
 
 def _dcp_thread_counts(opts: Options) -> tuple[int, ...]:
@@ -417,7 +479,6 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
                share: tuple[int, int], group: Any, peak: _PeakRss) -> float:
     """Seconds of one resharded load into `held` (ranks outside the layout only wait)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
     from . import checkpoint
     from .dcp import ChunkStoreReader, FastLoadPlanner
@@ -428,18 +489,25 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
         out = torch.zeros(share[1], dtype=torch.uint8)
         peak.start = _status("VmRSS")  # the destination is not extra
         return timed(lambda: _raw_read(raw_files, share[0], out))
-    if method in ("native", "native-noverify"):
-        verify = method == "native"
-        return timed(lambda: checkpoint.load(held.native, path, process_group=group, verify=verify))
+    if method.startswith("native"):
+        verify, read = method != "native-noverify", "direct" if method == "native-direct" else "once"
+        return timed(lambda: checkpoint.load(held.native, path, process_group=group, verify=verify, read=read))
     if method == "ours-dcp":
         return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path, process_group=group),
                                       planner=FastLoadPlanner(), process_group=group))
-    return timed(lambda: dcp.load(held.dcp, storage_reader=FileSystemReader(path), process_group=group))
+    return timed(lambda: dcp.load(held.dcp, storage_reader=_counted_reader(path), process_group=group))
+
+
+def _base(method: str) -> str:
+    """The contender whose checkpoint a load method reads."""
+    return method.removesuffix("-noverify").removesuffix("-direct")
 
 
 def run_on_rank(opts: Options) -> dict[str, Any] | None:
     """The benchmark on this rank of an initialised world of at least `WORLD` ranks; returns the
     figures on rank 0 (None elsewhere). Every rank must call it."""
+    from . import _core
+
     warnings.filterwarnings("ignore")
     if dist.get_world_size() < WORLD:
         raise ValueError(f"the benchmark needs {WORLD} ranks, this world has {dist.get_world_size()}")
@@ -459,8 +527,9 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
     contenders = ["native", "ours-dcp", *(f"dcp-fs t={t}" for t in dcp_threads)]
     records: list[dict[str, Any]] = []
 
-    def record(kind: str, where: str, method: str, seconds: float, rss: int) -> None:
-        records.append({"kind": kind, "where": where, "method": method, "seconds": seconds, "rss": rss})
+    def record(kind: str, where: str, method: str, seconds: float, rss: int, read: int = 0) -> None:
+        records.append({"kind": kind, "where": where, "method": method, "seconds": seconds, "rss": rss,
+                        "read": read})
 
     saved_layouts = sorted({a for _, a, _ in PAIRS}, key=lambda lo: -lo.ranks)
     raw_buf = torch.full((max(_share(total, lo.ranks, 0)[1] + 1 for lo in saved_layouts),), 0x5A,
@@ -494,19 +563,24 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
                 if a2 != a:
                     continue
                 dst = _hold(specs, b, rank)
-                for method in ["raw", "native", "native-noverify", *contenders[1:]]:
+                for method in ["raw", "native", "native-direct", "native-noverify", *contenders[1:]]:
                     if dst is not None:
                         for t in dst.locals.values():
                             t.zero_()
-                        src_path = os.path.join(root, "raw") if method == "raw" else paths[method.split("-noverify")[0]]
+                        src_path = os.path.join(root, "raw") if method == "raw" else paths[_base(method)]
                         _warm([src_path], rank, b.ranks)
                     dist.barrier()
-                    with _PeakRss() as peak:
-                        seconds = _load_step(method, dst, paths.get(method.split("-noverify")[0], ""), raw_files,
-                                             _share(total, b.ranks, rank), groups[b.ranks], peak)
+                    _core.set_read_pace(int(opts.storage_gbps * 1e9 / b.ranks) if dst is not None else 0)
+                    before = _storage_reads()
+                    try:
+                        with _PeakRss() as peak:
+                            seconds = _load_step(method, dst, paths.get(_base(method), ""), raw_files,
+                                                 _share(total, b.ranks, rank), groups[b.ranks], peak)
+                    finally:
+                        _core.set_read_pace(0)
                     if dst is not None and method != "raw" and rep == 0 and opts.verify:
                         _check(dst, f"{name} {method}")
-                    record("load", name, method, seconds, peak.extra)
+                    record("load", name, method, seconds, peak.extra, _storage_reads() - before)
                 del dst
             dist.barrier()
             if rank == 0:
@@ -528,17 +602,19 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
     largest extra RSS of any rank, GB/s and the ratios."""
     total = state_nbytes(specs)
     cells: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for recs in per_rank:
+    for rank, recs in enumerate(per_rank):
         for r in recs:
-            c = cells.setdefault((r["kind"], r["where"], r["method"]), {"seconds": [], "rss": 0})
+            c = cells.setdefault((r["kind"], r["where"], r["method"]), {"seconds": [], "rss": 0, "read": {}})
             if per_rank[0] is recs:
                 c["seconds"].append(r["seconds"])
             c["rss"] = max(c["rss"], r["rss"])
+            c["read"].setdefault(rank, r.get("read", 0))  # the same every repetition
     rows: dict[str, list[dict[str, Any]]] = {"save": [], "stage": [], "stall": [], "load": []}
     for (kind, where, method), c in cells.items():
         best = min(c["seconds"])
         rows[kind].append({"where": where, "method": method, "seconds": c["seconds"], "best_s": best,
-                           "gbps": total / best / 1e9, "peak_extra_rss_mib": c["rss"] / MIB})
+                           "gbps": total / best / 1e9, "peak_extra_rss_mib": c["rss"] / MIB,
+                           "read_x": sum(c["read"].values()) / total})
     for group in rows.values():
         by_where: dict[str, list[dict]] = {}
         for row in group:
@@ -557,6 +633,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
         "hidden": specs[0].shape[1],
         "experts": NUM_EXPERTS,
         "reps": opts.reps,
+        "storage_gbps": opts.storage_gbps or None,
         "dcp_writer_threads": list(dcp_threads),
         "page_cache": "warm (loads read data written moments before; caches are not dropped)",
         "pairs": [{"name": n, "save": asdict(a) | {"label": a.label}, "load": asdict(b) | {"label": b.label}}
@@ -595,6 +672,7 @@ _NAMES = {
     "raw": "roofline",
     "native": "olmo_chunks native",
     "native-noverify": "olmo_chunks native, verify=False",
+    "native-direct": "olmo_chunks native, read=direct",
     "ours-dcp": "olmo_chunks via DCP",
 }
 
@@ -623,15 +701,19 @@ def format_table(res: dict[str, Any]) -> str:
         f"olmo-chunks bench: {gib:.2f} GiB state ({res['tensors']} FP32 tensors, hidden {res['hidden']}, "
         f"{res['experts']} experts), best of {res['reps']}, {res['machine']['nproc']} cores; "
         f"GB/s = state bytes / wall time (slowest rank)",
-        "loads: warm page cache (the same for every reader); RSS MiB = peak extra RSS of the worst rank "
-        "during the step, beyond the state it saves from / loads into",
+        "loads: warm page cache (the same for every reader)"
+        + (f", storage capped at {res['storage_gbps']:g} GB/s shared by the loading ranks"
+           if res.get("storage_gbps") else "")
+        + "; read x = bytes read from storage by all ranks / checkpoint bytes; RSS MiB = peak extra RSS "
+        "of the worst rank during the step, beyond the state it saves from / loads into",
     ]
-    head = f"  {'':<34} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8}"
+    head = f"  {'':<34} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8} {'read x':>7}"
 
     def row(r: dict[str, Any], kind: str) -> str:
         x = f"{r['x_dcp']:.2f}" if r["x_dcp"] is not None else "-"
+        read = f"{r['read_x']:.2f}" if kind == "load" else ""
         return (f"  {_name(r['method'], kind):<34} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "
-                f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f}")
+                f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f} {read:>7}").rstrip()
 
     for kind, title in (("save", "Durable save (fsync), saved layout"),
                         ("stage", "Staging only (CPU copies, no I/O)"),
@@ -697,6 +779,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcp-threads", type=int, nargs="*", default=None,
                    help="FileSystemWriter thread counts (default: 1 and the core count)")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of every load")
+    p.add_argument("--storage-gbps", type=float, default=0.0,
+                   help="cap loads' storage reads at this many GB/s shared by the loading ranks (default: none)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -706,6 +790,7 @@ def main(args: argparse.Namespace) -> int:
         root=args.dir or tempfile.gettempdir(),
         verify=not args.no_verify,
         threads=tuple(args.dcp_threads or ()),
+        storage_gbps=args.storage_gbps,
     )
     res = run(opts)
     print(format_table(res))

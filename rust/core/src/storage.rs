@@ -10,7 +10,8 @@ use std::io::{IoSliceMut, Read};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::error::{CoreError, Result};
 use crate::fsutil::open_beneath;
@@ -30,16 +31,44 @@ pub static PROCESS_IO: IoCounters = IoCounters {
 };
 
 impl IoCounters {
-    /// Counts `n` bytes read, here and in [`PROCESS_IO`].
+    /// Counts `n` bytes read, here and in [`PROCESS_IO`], and paces them ([`set_read_pace`]).
     pub fn add_read(&self, n: u64) {
         self.read.fetch_add(n, Ordering::Relaxed);
         PROCESS_IO.read.fetch_add(n, Ordering::Relaxed);
+        pace_read(n);
     }
     /// Counts `n` bytes written, here and in [`PROCESS_IO`].
     pub fn add_written(&self, n: u64) {
         self.written.fetch_add(n, Ordering::Relaxed);
         PROCESS_IO.written.fetch_add(n, Ordering::Relaxed);
     }
+}
+
+/// Bytes per second this process may read from storage (0: unbounded), and when the bytes read
+/// so far are allowed to have arrived.
+static PACE: Mutex<(u64, Option<Instant>)> = Mutex::new((0, None));
+
+/// Caps this process's storage reads at `bytes_per_s` (0 lifts the cap): a benchmark's model of
+/// slower shared storage. Reads through every storage, and [`pace_read`] callers, share the cap.
+pub fn set_read_pace(bytes_per_s: u64) {
+    *PACE.lock().unwrap() = (bytes_per_s, None);
+}
+
+/// Waits as long as `n` more bytes take at the paced rate, behind the bytes already read.
+pub fn pace_read(n: u64) {
+    let wait = {
+        let mut pace = PACE.lock().unwrap();
+        let (rate, next) = *pace;
+        if rate == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let due =
+            next.map_or(now, |t| t.max(now)) + Duration::from_secs_f64(n as f64 / rate as f64);
+        pace.1 = Some(due);
+        due - now
+    };
+    std::thread::sleep(wait);
 }
 
 /// A data object open for positional I/O.

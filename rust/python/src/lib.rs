@@ -262,7 +262,15 @@ impl PyManifest {
                     let saved = saved_boxes(&m, *t);
                     Ok(core::box_overlaps(meta.shape.len(), &saved, wanted)?
                         .into_iter()
-                        .map(|o| (o.saved, o.wanted, saved[o.saved].0.clone(), o.offsets, o.sizes))
+                        .map(|o| {
+                            (
+                                o.saved,
+                                o.wanted,
+                                saved[o.saved].0.clone(),
+                                o.offsets,
+                                o.sizes,
+                            )
+                        })
                         .collect())
                 })
                 .collect()
@@ -581,6 +589,19 @@ fn plan_read_once(
             .map(|p| pyo3::types::PyBytes::new(py, p).unbind())
             .collect()
     }))
+}
+
+/// Caps this process's storage reads at `bytes_per_s` (0 lifts it), for benchmarks modelling
+/// slower shared storage; `pace_read(n)` makes a reader outside the core share the cap.
+#[pyfunction]
+fn set_read_pace(bytes_per_s: u64) {
+    core::storage::set_read_pace(bytes_per_s)
+}
+
+/// Waits as long as reading `n` bytes takes under the cap of `set_read_pace`.
+#[pyfunction]
+fn pace_read(py: Python<'_>, n: u64) {
+    py.detach(|| core::storage::pace_read(n))
 }
 
 /// Bytes read from and written to storage by this process so far, through the core.
@@ -1081,6 +1102,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReadOnce>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;
+    m.add_function(wrap_pyfunction!(pace_read, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;
