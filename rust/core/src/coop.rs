@@ -68,6 +68,9 @@ pub struct ReadPlan {
     pub rounds: Vec<Round>,
 }
 
+/// `(rank, lo, hi)`: a rank needing bytes `lo..hi` of a block.
+type Needer = (u32, u64, u64);
+
 /// Length of block `block` of chunk `chunk`.
 fn block_len(m: &Manifest, chunk: u64, block: u64) -> u64 {
     let len = m.chunks[chunk as usize].len;
@@ -110,7 +113,8 @@ pub fn shared(needs: &[Vec<Need>]) -> bool {
 /// block over the budget makes a round of its own).
 pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPlan>> {
     let world = needs.len();
-    let mut units: BTreeMap<(u64, u64), Vec<(u32, u64, u64)>> = BTreeMap::new();
+    // (chunk, block) -> the ranks needing it, with their spans
+    let mut units: BTreeMap<(u64, u64), Vec<Needer>> = BTreeMap::new();
     for (r, list) in needs.iter().enumerate() {
         for n in list {
             let ok = (n.chunk as usize) < m.chunks.len()
@@ -372,7 +376,7 @@ fn copy_from(
 // -- wire form: the plans and needs travel between ranks as little-endian u64 words -------------
 
 fn words(bytes: &[u8]) -> Result<Vec<u64>> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(CoreError::InvalidArgument(
             "a read plan's length is not a multiple of 8".into(),
         ));
@@ -436,7 +440,7 @@ pub fn encode_needs(needs: &[Need]) -> Vec<u8> {
 
 pub fn decode_needs(bytes: &[u8]) -> Result<Vec<Need>> {
     let w = words(bytes)?;
-    if w.len() % 4 != 0 {
+    if !w.len().is_multiple_of(4) {
         return Err(CoreError::InvalidArgument("malformed needs".into()));
     }
     Ok(w.chunks_exact(4)

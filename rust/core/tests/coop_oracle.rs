@@ -1,0 +1,189 @@
+//! Cooperative loads against the direct read as the oracle: random checkpoints, random ranks with
+//! random targets, random budgets. The plan is run round by round with an in-process all-to-all;
+//! every rank must end with exactly the bytes a direct read gives it, every needed block must be
+//! read by exactly one rank that needs it, and rounds must stay within the budget.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::*;
+use olmo_chunks_core::coop::{self, ReadPlan};
+use olmo_chunks_core::{plan_copies, read_into, ByteCopy, LocalFs, Manifest, Target};
+use proptest::prelude::*;
+
+fn random_tensors(rng: &mut Seeded) -> Vec<SavedTensor> {
+    let dtypes = ["uint8", "float32", "int64"];
+    (0..rng.range(1, 3))
+        .map(|i| {
+            let shape: Vec<u64> = (0..rng.range(1, 3)).map(|_| rng.range(1, 9)).collect();
+            SavedTensor {
+                key: format!("t{i}"),
+                dtype: rng.pick(&dtypes).to_string(),
+                regions: random_partition(rng, &shape),
+                shape,
+            }
+        })
+        .collect()
+}
+
+/// One rank's targets and the bytes a direct read puts in its buffers.
+struct Rank {
+    copies: Vec<ByteCopy>,
+    lens: Vec<usize>,
+    direct: Vec<Vec<u8>>,
+}
+
+fn rank_targets(
+    rng: &mut Seeded,
+    m: &Manifest,
+    tensors: &[SavedTensor],
+    dir: &std::path::Path,
+) -> Rank {
+    let mut targets = Vec::new();
+    let mut lens = Vec::new();
+    for _ in 0..rng.range(0, 3) {
+        let ti = rng.below(tensors.len() as u64) as usize;
+        let item = olmo_chunks_core::dtype::itemsize(&tensors[ti].dtype).unwrap();
+        let w = random_target(rng, &tensors[ti].shape);
+        targets.push(Target {
+            tensor: ti,
+            pieces: w.pieces,
+            dest: lens.len(),
+            dest_len: w.dest_elems * item,
+        });
+        lens.push((w.dest_elems * item) as usize);
+    }
+    let copies = plan_copies(m, &targets).unwrap();
+    let mut direct: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0xA5; n]).collect();
+    read_into(
+        dir,
+        m,
+        copies.clone(),
+        direct.iter_mut().map(|b| b.as_mut_slice()).collect(),
+        true,
+        2,
+    )
+    .unwrap();
+    Rank {
+        copies,
+        lens,
+        direct,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn cooperative_loads_equal_direct_reads(
+        seed in any::<u64>(),
+        block in prop::sample::select(vec![1u64, 3, 8, 64, 100]),
+        world in 1usize..=5,
+        budget in prop::sample::select(vec![1u64, 7, 64, 500, 1 << 20]),
+    ) {
+        let mut rng = Seeded::new(seed);
+        let dir = tempfile::tempdir().unwrap();
+        let tensors = random_tensors(&mut rng);
+        save(dir.path(), &tensors, 2, block, 2);
+        let m = Manifest::open(dir.path()).unwrap();
+        let ranks: Vec<Rank> = (0..world).map(|_| rank_targets(&mut rng, &m, &tensors, dir.path())).collect();
+
+        // Needs travel in their wire form, as between processes.
+        let needs: Vec<Vec<coop::Need>> = ranks
+            .iter()
+            .map(|r| coop::decode_needs(&coop::encode_needs(&coop::needs(&m, &r.copies))).unwrap())
+            .collect();
+        let plans: Vec<ReadPlan> = coop::plan(&m, &needs, budget)
+            .unwrap()
+            .iter()
+            .map(|p| ReadPlan::decode(&p.encode()).unwrap())
+            .collect();
+        let rounds = plans[0].rounds.len();
+        prop_assert!(plans.iter().all(|p| p.rounds.len() == rounds && p.world as usize == world));
+
+        // Oracle for the reads: every needed block once, by a rank that needs it.
+        let mut wanted: BTreeMap<(u64, u64), BTreeSet<usize>> = BTreeMap::new();
+        for (r, list) in needs.iter().enumerate() {
+            for n in list {
+                wanted.entry((n.chunk, n.block)).or_default().insert(r);
+            }
+        }
+        let mut read_by: BTreeMap<(u64, u64), usize> = BTreeMap::new();
+        for (r, p) in plans.iter().enumerate() {
+            for round in &p.rounds {
+                for s in &round.reads {
+                    prop_assert!(s.lo % block == 0);
+                    let mut b = s.lo / block;
+                    while b * block < s.hi {
+                        prop_assert!(read_by.insert((s.chunk, b), r).is_none(), "block read twice");
+                        prop_assert!(wanted[&(s.chunk, b)].contains(&r), "read by a rank that does not need it");
+                        b += 1;
+                    }
+                }
+            }
+        }
+        prop_assert_eq!(read_by.keys().collect::<Vec<_>>(), wanted.keys().collect::<Vec<_>>());
+
+        // Run the rounds with an in-process all-to-all.
+        let storage = LocalFs::new(dir.path());
+        let mut bufs: Vec<Vec<Vec<u8>>> = ranks.iter().map(|r| r.lens.iter().map(|&n| vec![0xA5; n]).collect()).collect();
+        let mut copied = vec![0u64; world];
+        for k in 0..rounds {
+            let mut reads = Vec::new();
+            let mut sent: Vec<BTreeMap<usize, Vec<u8>>> = vec![BTreeMap::new(); world];
+            for (r, p) in plans.iter().enumerate() {
+                let round = &p.rounds[k];
+                let mut read = vec![0u8; round.read_len() as usize];
+                let total: u64 = round.sends.iter().flat_map(|s| &s.1).map(|s| s.hi - s.lo).sum();
+                let mut send = vec![0u8; total as usize];
+                coop::read_round(&storage, &m, round, &mut read, &mut send, true, 2).unwrap();
+                let cost = read.len() + send.len()
+                    + round.recvs.iter().flat_map(|s| &s.1).map(|s| (s.hi - s.lo) as usize).sum::<usize>();
+                // A rank goes over the budget in a round only for one block that alone does.
+                let start = p.starts[k];
+                let end = p.starts.get(k + 1).copied().unwrap_or((u64::MAX, 0));
+                let mine = needs[r].iter().filter(|n| (n.chunk, n.block) >= start && (n.chunk, n.block) < end).count();
+                prop_assert!(cost as u64 <= budget || mine == 1, "rank {} round {} costs {} > {}", r, k, cost, budget);
+                let mut at = 0usize;
+                for (peer, spans) in &round.sends {
+                    let n: usize = spans.iter().map(|s| (s.hi - s.lo) as usize).sum();
+                    sent[*peer as usize].insert(r, send[at..at + n].to_vec());
+                    at += n;
+                }
+                reads.push(read);
+            }
+            for (r, p) in plans.iter().enumerate() {
+                let round = &p.rounds[k];
+                let recv: Vec<u8> = round.recvs.iter().flat_map(|(peer, _)| sent[r][&(*peer as usize)].clone()).collect();
+                let by_round = p.copies_by_round(&m, &ranks[r].copies);
+                copied[r] += coop::fill_round(
+                    round, &reads[r], &recv, &by_round[k],
+                    bufs[r].iter_mut().map(|b| b.as_mut_slice()).collect(), 2,
+                ).unwrap();
+            }
+        }
+        for (r, rank) in ranks.iter().enumerate() {
+            prop_assert_eq!(copied[r], rank.copies.iter().map(|c| c.len).sum::<u64>());
+            prop_assert!(bufs[r] == rank.direct, "rank {} differs from the direct read", r);
+        }
+    }
+}
+
+#[test]
+fn crafted_plans_and_needs_are_refused() {
+    assert!(coop::decode_needs(&[0u8; 12]).is_err());
+    assert!(ReadPlan::decode(&[0u8; 7]).is_err());
+    // world 1, one round that ends early
+    let words: Vec<u8> = [1u64, 1, 0, 0]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    assert!(ReadPlan::decode(&words).is_err());
+    // a send to a rank outside the world
+    let words: Vec<u8> = [1u64, 1, 0, 0, 0, 1, 5, 0, 0]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    assert!(ReadPlan::decode(&words).is_err());
+}
