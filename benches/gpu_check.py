@@ -8,7 +8,8 @@ On the GPU it measures, in one run:
 3. a resharded load back to GPU memory: the saved whole tensors loaded as the shards of `--shards`
    ranks of another layout (dense `Shard(1)` column blocks, experts over EP-MP `--shards`), one
    shard after another in this process, through pinned staging; checked bit-exact; GB/s and GPU
-   memory;
+   memory; then the same load through the read-once rounds (forced, as one process shares no
+   block: what each rank of a job does besides the exchange), with its rounds;
 4. the BF16 compute weights rebuilt from the loaded FP32 shards (`compute_weights`: cast, then
    all-gather over the shards' group, a one-GPU NCCL group here): GB/s of BF16 bytes and GPU memory.
 
@@ -195,7 +196,9 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
         _sync(device)
         seconds = time.perf_counter() - t0
     exact = True
+    expected: list[dict[str, torch.Tensor]] = []
     for j, held in enumerate(locals_):
+        expected.append({})
         for key, shape, expert in tensors:
             if expert:
                 lo = ExpertLayout(shape[0], shape[1:], ep_mp_rank=j, ep_mp_size=args.shards)
@@ -205,8 +208,32 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
                 c0, cs = _shard_cols(shape[1], args.shards, j)
                 want = data[key][:, c0 : c0 + cs]
             exact &= bool(torch.equal(held[key], want))
+            expected[j][key] = want
     report["load"] = {**s.report(), "seconds": round(seconds, 3), "gbps": total / seconds / 1e9,
                       "of_h2d": total / seconds / 1e9 / report["copy"]["h2d_gbps"], "exact": exact}
+
+    # The same load through the read-once rounds (forced: one process shares nothing): blocks read
+    # into pinned host buffers, assembled into pinned stages, copied to the GPU round by round.
+    for held in locals_:
+        for t in held.values():
+            t.fill_(float("nan"))
+    os.environ["OLMO_CHUNKS_READ_ONCE"] = "always"
+    try:
+        with Sampler(device) as s:
+            t0 = time.perf_counter()
+            reports = [oc.load(sd, path) for sd in j_state]
+            _sync(device)
+            seconds = time.perf_counter() - t0
+    finally:
+        del os.environ["OLMO_CHUNKS_READ_ONCE"]
+    exact_once = all(torch.equal(held[key], back_held[key]) for held, back_held in zip(locals_, expected, strict=True)
+                     for key in held)
+    report["load_read_once"] = {**s.report(), "seconds": round(seconds, 3), "gbps": total / seconds / 1e9,
+                                "of_h2d": total / seconds / 1e9 / report["copy"]["h2d_gbps"],
+                                "rounds": [r.rounds for r in reports], "mode": sorted({r.read for r in reports}),
+                                "round_peak_mib": round(max(r.round_peak_bytes for r in reports) / 2**20, 1),
+                                "exact": exact_once}
+    del expected
     del data
 
     # BF16 compute weights from the FP32 main weights of shard 0's layout: dense as Shard(0)
@@ -270,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    ok = report["load"]["exact"] and report["compute_weights"]["dtype_ok"]
+    ok = report["load"]["exact"] and report["load_read_once"]["exact"] and report["compute_weights"]["dtype_ok"]
     return 0 if ok else 1
 
 
