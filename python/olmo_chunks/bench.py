@@ -63,8 +63,9 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class Layout:
-    """How `ranks` ranks hold the state: dense tensors as `Shard(dense_dim)` over all of them,
-    experts over EP-MP `ep_mp` x EP-DP `ranks // ep_mp` (EP-DP sharded)."""
+    """How `ranks` ranks hold the state: dense tensors as `Shard(dense_dim)` over all of them
+    (`Replicate()` for `dense_dim=-1`), experts over EP-MP `ep_mp` x EP-DP `ranks // ep_mp` (EP-DP
+    sharded)."""
 
     ranks: int
     dense_dim: int
@@ -76,7 +77,8 @@ class Layout:
 
     @property
     def label(self) -> str:
-        return f"{self.ranks}r S({self.dense_dim}) EP{self.ep_mp}x{self.ep_dp}"
+        dense = "R" if self.dense_dim < 0 else f"S({self.dense_dim})"
+        return f"{self.ranks}r {dense} EP{self.ep_mp}x{self.ep_dp}"
 
 
 SAVE_4 = Layout(4, 0, 4)
@@ -86,6 +88,7 @@ PAIRS: tuple[tuple[str, Layout, Layout], ...] = (
     ("DP shrink 4->2", SAVE_4, Layout(2, 0, 2)),
     ("DP grow 2->4", SAVE_2, Layout(4, 0, 4)),
     ("Shard(0)->Shard(1)", SAVE_4, Layout(4, 1, 4)),
+    ("Shard(0)->Replicate", SAVE_4, Layout(4, -1, 1)),
     ("EP 4->2 (EP-DP 2)", SAVE_4, Layout(4, 0, 2)),
 )
 
@@ -181,7 +184,7 @@ class _Held:
 
 def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
     """This rank's (uninitialised) state in layout `lo`, or None when it is outside it."""
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from .experts import ExpertLayout
     from .layout import dtensor_pieces
@@ -206,10 +209,10 @@ def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
             held.locals[s.key] = storage
             held.expect[s.key] = functools.partial(_range_values, start, length, s.seed)
         else:
-            dt = distribute_tensor(torch.empty(s.shape, device="meta"), dense_mesh, [Shard(lo.dense_dim)],
-                                   src_data_rank=None)
+            place = [Replicate() if lo.dense_dim < 0 else Shard(lo.dense_dim)]
+            dt = distribute_tensor(torch.empty(s.shape, device="meta"), dense_mesh, place, src_data_rank=None)
             local = torch.empty(dt.to_local().shape, dtype=torch.float32)
-            dt = DTensor.from_local(local, dense_mesh, [Shard(lo.dense_dim)], run_check=False,
+            dt = DTensor.from_local(local, dense_mesh, place, run_check=False,
                                     shape=torch.Size(s.shape), stride=dt.stride())
             (piece,) = dtensor_pieces(dt)
             held.native[s.key] = held.dcp[s.key] = dt
