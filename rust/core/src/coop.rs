@@ -18,27 +18,55 @@ use crate::io::{carve, read_from, run_parallel, ByteCopy};
 use crate::manifest::Manifest;
 use crate::storage::Storage;
 
-/// The bytes `lo..hi` of block `block` of saved chunk `chunk` that one rank needs (byte offsets
-/// in the chunk; the span lies inside the block).
+/// The bytes of block `block` of a saved chunk that one rank needs (`span` lies inside the block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Need {
-    pub chunk: u64,
     pub block: u64,
-    pub lo: u64,
-    pub hi: u64,
+    pub span: Span,
 }
 
-/// Bytes `lo..hi` of saved chunk `chunk`.
+/// Bytes of saved chunk `chunk`: `count` pieces of `len` bytes, piece `i` at `lo + i * stride`
+/// (a column of a row-major block is one span). A plain range has `count` 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Span {
     pub chunk: u64,
     pub lo: u64,
-    pub hi: u64,
+    pub len: u64,
+    pub stride: u64,
+    pub count: u64,
 }
 
 impl Span {
-    fn len(&self) -> u64 {
-        self.hi - self.lo
+    pub fn plain(chunk: u64, lo: u64, hi: u64) -> Span {
+        Span {
+            chunk,
+            lo,
+            len: hi - lo,
+            stride: hi - lo,
+            count: 1,
+        }
+    }
+    /// Bytes the span holds.
+    pub fn bytes(&self) -> u64 {
+        self.len * self.count
+    }
+    /// The pieces `(lo, hi)`, in order.
+    pub fn pieces(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.count).map(|i| {
+            let a = self.lo + i * self.stride;
+            (a, a + self.len)
+        })
+    }
+    /// Whether the span is well formed and inside bytes `start..end` of its chunk.
+    fn within(&self, start: u64, end: u64) -> bool {
+        let last = (self.count.checked_sub(1))
+            .and_then(|k| k.checked_mul(self.stride))
+            .and_then(|x| x.checked_add(self.lo))
+            .and_then(|x| x.checked_add(self.len));
+        self.len > 0
+            && (self.count == 1 || self.stride >= self.len)
+            && self.lo >= start
+            && last.is_some_and(|e| e <= end)
     }
 }
 
@@ -55,8 +83,12 @@ pub struct Round {
 
 impl Round {
     pub fn read_len(&self) -> u64 {
-        self.reads.iter().map(Span::len).sum()
+        self.reads.iter().map(Span::bytes).sum()
     }
+}
+
+fn total(peers: &[(u32, Vec<Span>)]) -> u64 {
+    peers.iter().flat_map(|p| &p.1).map(Span::bytes).sum()
 }
 
 /// One rank's plan: its rounds, and where each round starts in the job's block order (every rank
@@ -68,44 +100,65 @@ pub struct ReadPlan {
     pub rounds: Vec<Round>,
 }
 
-/// `(rank, lo, hi)`: a rank needing bytes `lo..hi` of a block.
-type Needer = (u32, u64, u64);
-
 /// Length of block `block` of chunk `chunk`.
 fn block_len(m: &Manifest, chunk: u64, block: u64) -> u64 {
     let len = m.chunks[chunk as usize].len;
     (len - block * m.block_size).min(m.block_size)
 }
 
-/// The block spans `copies` read, merged per block, in block order.
+/// The bytes of each block that `copies` read, in block order: per block, the disjoint runs
+/// they cover, runs of one length at one distance folded into one strided span.
 pub fn needs(m: &Manifest, copies: &[ByteCopy]) -> Vec<Need> {
     let bs = m.block_size;
-    let mut spans: BTreeMap<(u64, u64), (u64, u64)> = BTreeMap::new();
+    let mut runs: BTreeMap<(u64, u64), Vec<(u64, u64)>> = BTreeMap::new();
     for c in copies.iter().filter(|c| c.len > 0) {
         let (a, b) = (c.src, c.src + c.len);
         for block in a / bs..b.div_ceil(bs) {
-            let (lo, hi) = (a.max(block * bs), b.min((block + 1) * bs));
-            let e = spans.entry((c.chunk as u64, block)).or_insert((lo, hi));
-            *e = (e.0.min(lo), e.1.max(hi));
+            let run = (a.max(block * bs), b.min((block + 1) * bs));
+            runs.entry((c.chunk as u64, block)).or_default().push(run);
         }
     }
-    spans
-        .into_iter()
-        .map(|((chunk, block), (lo, hi))| Need {
-            chunk,
-            block,
-            lo,
-            hi,
-        })
-        .collect()
+    let mut out = Vec::new();
+    for ((chunk, block), mut list) in runs {
+        list.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(list.len());
+        for (a, b) in list {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        let mut span: Option<Span> = None;
+        for (a, b) in merged {
+            match &mut span {
+                Some(s) if s.len == b - a && (s.count == 1 || a == s.lo + s.count * s.stride) => {
+                    if s.count == 1 {
+                        s.stride = a - s.lo; // > len: merged runs are apart
+                    }
+                    s.count += 1;
+                }
+                _ => {
+                    if let Some(s) = span.take() {
+                        out.push(Need { block, span: s });
+                    }
+                    span = Some(Span::plain(chunk, a, b));
+                }
+            }
+        }
+        if let Some(s) = span {
+            out.push(Need { block, span: s });
+        }
+    }
+    out
 }
 
 /// Whether any block is needed by more than one rank (reading once then saves storage reads).
 pub fn shared(needs: &[Vec<Need>]) -> bool {
-    let mut seen = std::collections::HashSet::new();
-    needs
-        .iter()
-        .any(|rank| rank.iter().any(|n| !seen.insert((n.chunk, n.block))))
+    let mut first = std::collections::HashMap::new();
+    needs.iter().enumerate().any(|(r, list)| {
+        list.iter()
+            .any(|n| *first.entry((n.span.chunk, n.block)).or_insert(r) != r)
+    })
 }
 
 /// Plans a cooperative load of `m` for ranks whose needs are `needs` (one list per rank), in
@@ -114,23 +167,25 @@ pub fn shared(needs: &[Vec<Need>]) -> bool {
 pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPlan>> {
     let world = needs.len();
     // (chunk, block) -> the ranks needing it, with their spans
-    let mut units: BTreeMap<(u64, u64), Vec<Needer>> = BTreeMap::new();
+    let mut units: BTreeMap<(u64, u64), Vec<(u32, Span)>> = BTreeMap::new();
     for (r, list) in needs.iter().enumerate() {
         for n in list {
-            let ok = (n.chunk as usize) < m.chunks.len()
-                && n.block < m.chunks[n.chunk as usize].len.div_ceil(m.block_size)
-                && n.lo < n.hi
-                && n.lo >= n.block * m.block_size
-                && n.hi <= n.block * m.block_size + block_len(m, n.chunk, n.block);
+            let chunk = n.span.chunk;
+            let ok = (chunk as usize) < m.chunks.len()
+                && n.block < m.chunks[chunk as usize].len.div_ceil(m.block_size)
+                && n.span.within(
+                    n.block * m.block_size,
+                    n.block * m.block_size + block_len(m, chunk, n.block),
+                );
             if !ok {
                 return Err(CoreError::InvalidArgument(format!(
                     "rank {r} needs {n:?}, which is not a span of one saved block"
                 )));
             }
             units
-                .entry((n.chunk, n.block))
+                .entry((chunk, n.block))
                 .or_default()
-                .push((r as u32, n.lo, n.hi));
+                .push((r as u32, n.span));
         }
     }
     let mut plans: Vec<ReadPlan> = (0..world)
@@ -150,16 +205,18 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
             .map(|w| w.0)
             .min_by_key(|&r| (load[r as usize], r))
             .expect("a unit has a needer");
-        let sent: u64 = who
-            .iter()
-            .filter(|w| w.0 != reader)
-            .map(|w| w.2 - w.1)
-            .sum();
+        // Bytes each other needer receives (`who` is sorted by rank).
+        let mut takes: Vec<(u32, u64)> = Vec::new();
+        for (r, span) in who.iter().filter(|w| w.0 != reader) {
+            match takes.last_mut() {
+                Some(t) if t.0 == *r => t.1 += span.bytes(),
+                _ => takes.push((*r, span.bytes())),
+            }
+        }
+        let sent: u64 = takes.iter().map(|t| t.1).sum();
         let over = |cost: &[u64]| {
             cost[reader as usize] + len + sent > budget
-                || who
-                    .iter()
-                    .any(|w| w.0 != reader && cost[w.0 as usize] + (w.2 - w.1) > budget)
+                || takes.iter().any(|&(r, n)| cost[r as usize] + n > budget)
         };
         if !open || over(&cost) {
             for p in &mut plans {
@@ -171,23 +228,17 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
         }
         load[reader as usize] += len;
         cost[reader as usize] += len + sent;
+        for &(r, n) in &takes {
+            cost[r as usize] += n;
+        }
         let lo = block * m.block_size;
         push_span(
             &mut plans[reader as usize].rounds.last_mut().unwrap().reads,
-            Span {
-                chunk,
-                lo,
-                hi: lo + len,
-            },
+            Span::plain(chunk, lo, lo + len),
         );
-        for &(r, lo, hi) in who.iter().filter(|w| w.0 != reader) {
-            cost[r as usize] += hi - lo;
-            let span = Span { chunk, lo, hi };
-            push_peer(
-                &mut plans[reader as usize].rounds.last_mut().unwrap().sends,
-                r,
-                span,
-            );
+        for &(r, span) in who.iter().filter(|w| w.0 != reader) {
+            let sends = &mut plans[reader as usize].rounds.last_mut().unwrap().sends;
+            push_peer(sends, r, span);
             push_peer(
                 &mut plans[r as usize].rounds.last_mut().unwrap().recvs,
                 reader,
@@ -204,9 +255,18 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
     Ok(plans)
 }
 
+/// Appends `s`, extending the last span instead when both are plain and `s` continues it.
 fn push_span(spans: &mut Vec<Span>, s: Span) {
     match spans.last_mut() {
-        Some(last) if last.chunk == s.chunk && last.hi == s.lo => last.hi = s.hi,
+        Some(last)
+            if last.chunk == s.chunk
+                && last.count == 1
+                && s.count == 1
+                && last.lo + last.len == s.lo =>
+        {
+            last.len += s.len;
+            last.stride = last.len;
+        }
         _ => spans.push(s),
     }
 }
@@ -229,29 +289,24 @@ pub fn read_round(
     verify: bool,
     workers: usize,
 ) -> Result<()> {
-    let mut copies = Vec::with_capacity(round.reads.len());
-    let mut at = 0;
-    for s in &round.reads {
-        copies.push(ByteCopy {
-            chunk: s.chunk as usize,
-            src: s.lo,
-            dst: 0,
-            dst_off: at,
-            len: s.len(),
-        });
-        at += s.len();
-    }
-    check_len("read", at, read_buf.len())?;
-    read_from(storage, m, copies, vec![&mut *read_buf], verify, workers)?;
-    let sends: Vec<Span> = round
-        .sends
-        .iter()
-        .flat_map(|p| p.1.iter().copied())
-        .collect();
-    let segments = segments(&round.reads, read_buf);
-    let packed = copies_into(&sends, 0);
-    check_len("send", packed.iter().map(|c| c.len).sum(), send_buf.len())?;
-    copy_from(&segments, &packed, vec![send_buf], workers)?;
+    check_len("read", round.read_len(), read_buf.len())?;
+    check_len("send", total(&round.sends), send_buf.len())?;
+    let reads = pieces(&round.reads);
+    read_from(
+        storage,
+        m,
+        copies_into(&reads, 0),
+        vec![&mut *read_buf],
+        verify,
+        workers,
+    )?;
+    let sends = pieces(round.sends.iter().flat_map(|p| &p.1));
+    copy_from(
+        &segments(&reads, read_buf),
+        &copies_into(&sends, 0),
+        vec![send_buf],
+        workers,
+    )?;
     Ok(())
 }
 
@@ -266,15 +321,13 @@ pub fn fill_round(
     workers: usize,
 ) -> Result<u64> {
     check_len("read", round.read_len(), read_buf.len())?;
-    let recvs: Vec<Span> = round
-        .recvs
-        .iter()
-        .flat_map(|p| p.1.iter().copied())
-        .collect();
-    check_len("receive", recvs.iter().map(Span::len).sum(), recv_buf.len())?;
-    let mut segs = segments(&round.reads, read_buf);
-    segs.extend(segments(&recvs, recv_buf));
-    segs.sort_unstable_by_key(|s| (s.0.chunk, s.0.lo));
+    check_len("receive", total(&round.recvs), recv_buf.len())?;
+    let mut segs = segments(&pieces(&round.reads), read_buf);
+    segs.extend(segments(
+        &pieces(round.recvs.iter().flat_map(|p| &p.1)),
+        recv_buf,
+    ));
+    segs.sort_unstable_by_key(|s| (s.0, s.1));
     copy_from(&segs, copies, dests, workers)
 }
 
@@ -287,32 +340,43 @@ fn check_len(what: &str, want: u64, have: usize) -> Result<()> {
     )))
 }
 
-/// `spans` laid out back to back in `buf`.
-fn segments<'a>(spans: &[Span], buf: &'a [u8]) -> Vec<(Span, &'a [u8])> {
-    let mut at = 0usize;
+/// The plain pieces `(chunk, lo, hi)` of `spans`, in order.
+fn pieces<'a>(spans: impl IntoIterator<Item = &'a Span>) -> Vec<(u64, u64, u64)> {
     spans
+        .into_iter()
+        .flat_map(|s| s.pieces().map(|(a, b)| (s.chunk, a, b)))
+        .collect()
+}
+
+/// Chunk bytes `lo..hi` held in memory.
+type Segment<'a> = (u64, u64, u64, &'a [u8]);
+
+/// `pieces` laid out back to back in `buf`.
+fn segments<'a>(pieces: &[(u64, u64, u64)], buf: &'a [u8]) -> Vec<Segment<'a>> {
+    let mut at = 0usize;
+    pieces
         .iter()
-        .map(|s| {
-            let n = s.len() as usize;
+        .map(|&(chunk, lo, hi)| {
+            let n = (hi - lo) as usize;
             at += n;
-            (*s, &buf[at - n..at])
+            (chunk, lo, hi, &buf[at - n..at])
         })
         .collect()
 }
 
-/// Copies of `spans`, back to back into buffer `dst`.
-fn copies_into(spans: &[Span], dst: usize) -> Vec<ByteCopy> {
+/// Copies of `pieces`, back to back into buffer `dst`.
+fn copies_into(pieces: &[(u64, u64, u64)], dst: usize) -> Vec<ByteCopy> {
     let mut at = 0;
-    spans
+    pieces
         .iter()
-        .map(|s| {
-            at += s.len();
+        .map(|&(chunk, lo, hi)| {
+            at += hi - lo;
             ByteCopy {
-                chunk: s.chunk as usize,
-                src: s.lo,
+                chunk: chunk as usize,
+                src: lo,
                 dst,
-                dst_off: at - s.len(),
-                len: s.len(),
+                dst_off: at - (hi - lo),
+                len: hi - lo,
             }
         })
         .collect()
@@ -321,40 +385,39 @@ fn copies_into(spans: &[Span], dst: usize) -> Vec<ByteCopy> {
 /// Executes the parts of `copies` that the in-memory chunk bytes `segs` (sorted, disjoint) hold.
 /// Returns the bytes copied.
 fn copy_from(
-    segs: &[(Span, &[u8])],
+    segs: &[Segment<'_>],
     copies: &[ByteCopy],
     dests: Vec<&mut [u8]>,
     workers: usize,
 ) -> Result<u64> {
-    let key = |s: &(Span, &[u8])| (s.0.chunk, s.0.lo);
     if segs
         .windows(2)
-        .any(|w| key(&w[0]) > key(&w[1]) || (w[0].0.chunk == w[1].0.chunk && w[0].0.hi > w[1].0.lo))
+        .any(|w| (w[0].0, w[0].1) > (w[1].0, w[1].1) || (w[0].0 == w[1].0 && w[0].2 > w[1].1))
     {
         return Err(CoreError::InvalidArgument("overlapping segments".into()));
     }
-    // The parts of each copy that segments hold: (copy, segment, bytes to skip in the copy).
+    // The parts of each copy that segments hold (`chunk` naming the segment, `src` inside it).
     let mut parts: Vec<ByteCopy> = Vec::new();
     for c in copies.iter().filter(|c| c.len > 0) {
         let (a, b) = (c.src, c.src + c.len);
         let chunk = c.chunk as u64;
-        let mut i = segs.partition_point(|s| (s.0.chunk, s.0.hi) <= (chunk, a));
-        while let Some((s, _)) = segs.get(i) {
-            if s.chunk != chunk || s.lo >= b {
+        let mut i = segs.partition_point(|s| (s.0, s.2) <= (chunk, a));
+        while let Some(&(sc, lo, hi, _)) = segs.get(i) {
+            if sc != chunk || lo >= b {
                 break;
             }
-            let (lo, hi) = (a.max(s.lo), b.min(s.hi));
+            let (x, y) = (a.max(lo), b.min(hi));
             parts.push(ByteCopy {
                 chunk: i,
-                src: lo - s.lo,
+                src: x - lo,
                 dst: c.dst,
-                dst_off: c.dst_off + (lo - a),
-                len: hi - lo,
+                dst_off: c.dst_off + (x - a),
+                len: y - x,
             });
             i += 1;
         }
     }
-    let total = parts.iter().map(|p| p.len).sum();
+    let copied = parts.iter().map(|p| p.len).sum();
     let slices = carve(&parts, dests)?;
     let work: Vec<(ByteCopy, &mut [u8])> = parts.into_iter().zip(slices).collect();
     let per = work.len().div_ceil(workers.max(1) * 4).max(1);
@@ -365,12 +428,12 @@ fn copy_from(
     }
     run_parallel(batches, workers, |batch| {
         for (p, dst) in batch {
-            let seg = segs[p.chunk].1;
+            let seg = segs[p.chunk].3;
             dst.copy_from_slice(&seg[p.src as usize..(p.src + p.len) as usize]);
         }
         Ok(())
     })?;
-    Ok(total)
+    Ok(copied)
 }
 
 // -- wire form: the plans and needs travel between ranks as little-endian u64 words -------------
@@ -402,13 +465,13 @@ impl Words<'_> {
             .ok_or_else(|| CoreError::InvalidArgument("a read plan ends early".into()))
     }
     fn span(&mut self) -> Result<Span> {
-        let (chunk, lo, hi) = (self.next()?, self.next()?, self.next()?);
-        if lo >= hi {
-            return Err(CoreError::InvalidArgument(
-                "an empty span in a read plan".into(),
-            ));
-        }
-        Ok(Span { chunk, lo, hi })
+        Ok(Span {
+            chunk: self.next()?,
+            lo: self.next()?,
+            len: self.next()?,
+            stride: self.next()?,
+            count: self.next()?,
+        })
     }
     fn spans(&mut self) -> Result<Vec<Span>> {
         let n = self.next()?;
@@ -431,26 +494,30 @@ impl Words<'_> {
 }
 
 pub fn encode_needs(needs: &[Need]) -> Vec<u8> {
-    let w: Vec<u64> = needs
-        .iter()
-        .flat_map(|n| [n.chunk, n.block, n.lo, n.hi])
-        .collect();
+    let mut w = Vec::with_capacity(6 * needs.len());
+    for n in needs {
+        w.push(n.block);
+        push_words(&mut w, &n.span);
+    }
     to_bytes(&w)
 }
 
 pub fn decode_needs(bytes: &[u8]) -> Result<Vec<Need>> {
     let w = words(bytes)?;
-    if !w.len().is_multiple_of(4) {
-        return Err(CoreError::InvalidArgument("malformed needs".into()));
+    let mut c = Words(w.iter());
+    let mut out = Vec::with_capacity(w.len() / 6);
+    while c.0.len() > 0 {
+        let block = c.next()?;
+        out.push(Need {
+            block,
+            span: c.span()?,
+        });
     }
-    Ok(w.chunks_exact(4)
-        .map(|n| Need {
-            chunk: n[0],
-            block: n[1],
-            lo: n[2],
-            hi: n[3],
-        })
-        .collect())
+    Ok(out)
+}
+
+fn push_words(w: &mut Vec<u64>, s: &Span) {
+    w.extend([s.chunk, s.lo, s.len, s.stride, s.count]);
 }
 
 impl ReadPlan {
@@ -458,7 +525,7 @@ impl ReadPlan {
         let mut w = vec![self.world as u64, self.rounds.len() as u64];
         let spans = |w: &mut Vec<u64>, s: &[Span]| {
             w.push(s.len() as u64);
-            s.iter().for_each(|s| w.extend([s.chunk, s.lo, s.hi]));
+            s.iter().for_each(|s| push_words(w, s));
         };
         for (start, r) in self.starts.iter().zip(&self.rounds) {
             w.extend([start.0, start.1]);
@@ -502,6 +569,26 @@ impl ReadPlan {
             ));
         }
         Ok(plan)
+    }
+
+    /// Fails unless every span of the plan is well formed and inside its chunk of `m`.
+    pub fn check(&self, m: &Manifest) -> Result<()> {
+        let rounds = self.rounds.iter();
+        let mut spans = rounds.flat_map(|r| {
+            r.reads
+                .iter()
+                .chain(r.sends.iter().chain(&r.recvs).flat_map(|p| &p.1))
+        });
+        match spans.find(|s| {
+            m.chunks
+                .get(s.chunk as usize)
+                .is_none_or(|c| !s.within(0, c.len))
+        }) {
+            Some(s) => Err(CoreError::InvalidArgument(format!(
+                "a read plan names {s:?}, outside the checkpoint's chunks"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// `copies` split at block boundaries and bucketed by the round holding their block.

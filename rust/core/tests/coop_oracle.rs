@@ -106,16 +106,16 @@ proptest! {
         let mut wanted: BTreeMap<(u64, u64), BTreeSet<usize>> = BTreeMap::new();
         for (r, list) in needs.iter().enumerate() {
             for n in list {
-                wanted.entry((n.chunk, n.block)).or_default().insert(r);
+                wanted.entry((n.span.chunk, n.block)).or_default().insert(r);
             }
         }
         let mut read_by: BTreeMap<(u64, u64), usize> = BTreeMap::new();
         for (r, p) in plans.iter().enumerate() {
             for round in &p.rounds {
                 for s in &round.reads {
-                    prop_assert!(s.lo % block == 0);
+                    prop_assert!(s.lo % block == 0 && s.count == 1);
                     let mut b = s.lo / block;
-                    while b * block < s.hi {
+                    while b * block < s.lo + s.len {
                         prop_assert!(read_by.insert((s.chunk, b), r).is_none(), "block read twice");
                         prop_assert!(wanted[&(s.chunk, b)].contains(&r), "read by a rank that does not need it");
                         b += 1;
@@ -124,6 +124,12 @@ proptest! {
             }
         }
         prop_assert_eq!(read_by.keys().collect::<Vec<_>>(), wanted.keys().collect::<Vec<_>>());
+        // Exactly the needed bytes move: what a rank receives is what it needs of blocks others read.
+        for (r, p) in plans.iter().enumerate() {
+            let received: u64 = p.rounds.iter().flat_map(|k| &k.recvs).flat_map(|x| &x.1).map(|s| s.bytes()).sum();
+            let needed: u64 = needs[r].iter().filter(|n| read_by[&(n.span.chunk, n.block)] != r).map(|n| n.span.bytes()).sum();
+            prop_assert_eq!(received, needed);
+        }
 
         // Run the rounds with an in-process all-to-all.
         let storage = LocalFs::new(dir.path());
@@ -135,19 +141,21 @@ proptest! {
             for (r, p) in plans.iter().enumerate() {
                 let round = &p.rounds[k];
                 let mut read = vec![0u8; round.read_len() as usize];
-                let total: u64 = round.sends.iter().flat_map(|s| &s.1).map(|s| s.hi - s.lo).sum();
+                let total: u64 = round.sends.iter().flat_map(|s| &s.1).map(|s| s.bytes()).sum();
                 let mut send = vec![0u8; total as usize];
                 coop::read_round(&storage, &m, round, &mut read, &mut send, true, 2).unwrap();
                 let cost = read.len() + send.len()
-                    + round.recvs.iter().flat_map(|s| &s.1).map(|s| (s.hi - s.lo) as usize).sum::<usize>();
+                    + round.recvs.iter().flat_map(|s| &s.1).map(|s| s.bytes() as usize).sum::<usize>();
                 // A rank goes over the budget in a round only for one block that alone does.
                 let start = p.starts[k];
                 let end = p.starts.get(k + 1).copied().unwrap_or((u64::MAX, 0));
-                let mine = needs[r].iter().filter(|n| (n.chunk, n.block) >= start && (n.chunk, n.block) < end).count();
+                let mine: BTreeSet<(u64, u64)> = needs[r].iter().map(|n| (n.span.chunk, n.block))
+                    .filter(|k| *k >= start && *k < end).collect();
+                let mine = mine.len();
                 prop_assert!(cost as u64 <= budget || mine == 1, "rank {} round {} costs {} > {}", r, k, cost, budget);
                 let mut at = 0usize;
                 for (peer, spans) in &round.sends {
-                    let n: usize = spans.iter().map(|s| (s.hi - s.lo) as usize).sum();
+                    let n: usize = spans.iter().map(|s| s.bytes() as usize).sum();
                     sent[*peer as usize].insert(r, send[at..at + n].to_vec());
                     at += n;
                 }
@@ -186,4 +194,23 @@ fn crafted_plans_and_needs_are_refused() {
         .flat_map(|w| w.to_le_bytes())
         .collect();
     assert!(ReadPlan::decode(&words).is_err());
+}
+
+#[test]
+fn a_column_of_a_block_is_one_strided_span() {
+    let tensors = vec![SavedTensor {
+        key: "w".into(),
+        dtype: "float32".into(),
+        shape: vec![8, 8],
+        regions: vec![olmo_chunks_core::Region::Box { offsets: vec![0, 0], sizes: vec![8, 8] }],
+    }];
+    let m = in_memory_manifest(&tensors, 64); // 4 rows of 16 bytes per block
+    let piece = olmo_chunks_core::Piece { offsets: vec![0, 2], sizes: vec![8, 2], local_start: 0, strides: vec![2, 1] };
+    let copies = plan_copies(&m, &[Target { tensor: 0, pieces: vec![piece], dest: 0, dest_len: 64 }]).unwrap();
+    let needs = coop::needs(&m, &copies);
+    assert_eq!(needs.len(), 4, "{needs:?}"); // one per block
+    for (b, n) in needs.iter().enumerate() {
+        let want = coop::Span { chunk: 0, lo: b as u64 * 64 + 8, len: 8, stride: 32, count: 2 };
+        assert_eq!((n.block, n.span), (b as u64, want));
+    }
 }

@@ -465,7 +465,10 @@ impl PyReadOnce {
     }
     /// Takes this rank's plan (one item of `plan_read_once`'s result).
     fn start(&mut self, py: Python<'_>, plan: &[u8]) -> PyResult<()> {
-        self.plan = core::coop::ReadPlan::decode(plan).map_err(|e| to_pyerr(py, e))?;
+        let plan = core::coop::ReadPlan::decode(plan)
+            .and_then(|p| p.check(&self.m).map(|_| p))
+            .map_err(|e| to_pyerr(py, e))?;
+        self.plan = plan;
         self.by_round = self.plan.copies_by_round(&self.m, &self.copies);
         Ok(())
     }
@@ -484,7 +487,7 @@ impl PyReadOnce {
         let sizes = |peers: &[(u32, Vec<core::coop::Span>)]| {
             peers
                 .iter()
-                .map(|(p, s)| (*p, s.iter().map(|s| s.hi - s.lo).sum()))
+                .map(|(p, s)| (*p, s.iter().map(|s| s.bytes()).sum()))
                 .collect()
         };
         Ok((r.read_len(), sizes(&r.sends), sizes(&r.recvs)))
