@@ -215,23 +215,7 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
                group: Group, verify: bool, workers: int | None, force: bool) -> ReadOnceStats | None:
     """The cooperative load (collective). Returns None, having read nothing, when no saved block
     is needed by two ranks (and not `force`): each rank then reads its own."""
-    order = direct + staged + [f for f, _ in tied]
-    # Buffers: the storages of the destinations filled in place (as `_load_direct` has them), then
-    # one staging buffer per other destination, allocated while rounds write into it.
-    storages, targets_of = _storages(direct)
-    lens = [n for _, n in storages] + [f.dest.numel() * f.saved_dtype.itemsize for f in order[len(direct):]]
-    cuda = any(f.dest.is_cuda for f in order)
-    ro: Any = None
-
-    def needs() -> tuple[bytes, bool]:
-        nonlocal ro
-        targets = targets_of()
-        for i, f in enumerate(order[len(direct):], start=len(storages)):
-            pieces = f.pieces(torch.empty(f.dest.shape, dtype=f.saved_dtype, device="meta"))
-            if pieces:
-                targets.append((f.tensor, pieces, i))
-        ro = _core.ReadOnce(manifest, targets, lens)
-        return ro.needs(), cuda and torch.cuda.is_available()
+    load = _CooperativeLoad(manifest, direct, staged, tied, group, verify, workers)
 
     def plan(results: list[tuple[bytes, bool]]) -> list[tuple[bytes | None, str]]:
         plans = _core.plan_read_once(manifest, [n for n, _ in results], STAGING_BYTES, force)
@@ -239,62 +223,95 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
         mine: list[bytes | None] = [None] * len(results) if plans is None else list(plans)
         return [(p, device) for p in mine]
 
-    _, (mine, device) = group.exchange(needs, plan, scatter=True)
+    _, (mine, device) = group.exchange(load.needs, plan, scatter=True)
     if mine is None:
         return None
-    ro.start(mine)
-    first: dict[int, list[int]] = {}
-    last: dict[int, list[int]] = {}
-    for i, span in enumerate(ro.buffer_rounds()):
-        if span is not None:
-            first.setdefault(span[0], []).append(i)
-            last.setdefault(span[1], []).append(i)
-    buffers = storages + [(0, 0)] * (len(order) - len(direct))
-    stages: dict[int, torch.Tensor] = {}
-    fill_of = {len(storages) + j: f for j, f in enumerate(order[len(direct):])}
-    tied_to = {id(f): key for f, key in tied}
-    pin = cuda and torch.cuda.is_available()
-    held: dict[str, Any] = {"copied": 0}
+    return load.run(mine, device)
 
-    def read(k: int) -> None:
+
+class _CooperativeLoad:
+    """One rank's side of a cooperative load. Its buffers: the storages of the destinations filled
+    in place (as `_load_direct` has them), then one staging buffer per other destination, alive
+    from the first round that writes into it to the last (then copied into place, or checked
+    against the tensor it is tied to)."""
+
+    def __init__(self, manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
+                 tied: list[tuple[Fill, str]], group: Group, verify: bool, workers: int | None) -> None:
+        self.manifest, self.group, self.verify, self.workers = manifest, group, verify, workers
+        self.storages, self.direct_targets = _storages(direct)
+        others = staged + [f for f, _ in tied]
+        self.fill_of = {len(self.storages) + j: f for j, f in enumerate(others)}
+        self.tied_to = {id(f): key for f, key in tied}
+        self.lens = [n for _, n in self.storages] + [f.dest.numel() * f.saved_dtype.itemsize for f in others]
+        self.cuda = any(f.dest.is_cuda for f in direct + others)
+        self.pin = self.cuda and torch.cuda.is_available()
+        self.ro: Any = None
+
+    def needs(self) -> tuple[bytes, bool]:
+        """What this rank needs of each saved block, and whether it can exchange on CUDA."""
+        targets = self.direct_targets()
+        for i, f in self.fill_of.items():
+            pieces = f.pieces(torch.empty(f.dest.shape, dtype=f.saved_dtype, device="meta"))
+            if pieces:
+                targets.append((f.tensor, pieces, i))
+        self.ro = _core.ReadOnce(self.manifest, targets, self.lens)
+        return self.ro.needs(), self.pin
+
+    def run(self, plan: bytes, device: str) -> ReadOnceStats:
+        """Every round of `plan`, each one agreed by every rank: exchange, copies into place, then
+        the next round's reads (so a failure reaches every rank before the next collective)."""
+        ro = self.ro
+        ro.start(plan)
+        self.device = device
+        self.first: dict[int, list[int]] = {}
+        self.last: dict[int, list[int]] = {}
+        for i, span in enumerate(ro.buffer_rounds()):
+            if span is not None:
+                self.first.setdefault(span[0], []).append(i)
+                self.last.setdefault(span[1], []).append(i)
+        self.buffers = self.storages + [(0, 0)] * len(self.fill_of)
+        self.stages: dict[int, torch.Tensor] = {}
+        self.copied = 0
+        if ro.rounds:
+            self.group.agree(functools.partial(self._read, 0))
+        for k in range(ro.rounds):
+            self.group.agree(functools.partial(self._step, k))
+        sizes = [ro.round_sizes(k) for k in range(ro.rounds)]
+        peak = max((r + sum(n for _, n in sends) + sum(n for _, n in recvs) for r, sends, recvs in sizes),
+                   default=0)
+        return ReadOnceStats(ro.rounds, peak)
+
+    def _read(self, k: int) -> None:
         """Allocates the stages round `k` starts, reads its blocks and packs what peers need."""
-        for i in first.get(k, []):
-            if i in fill_of:
-                f = fill_of[i]
-                stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=pin)
-                buffers[i] = (stages[i].data_ptr(), lens[i])
-        n_read, sends, recvs = ro.round_sizes(k)
-        held["read"] = torch.empty(n_read, dtype=torch.uint8, pin_memory=pin)
-        send = torch.empty(sum(n for _, n in sends), dtype=torch.uint8, pin_memory=pin)
-        ro.read(k, _addr(held["read"]), _addr(send), verify, workers)
+        for i in self.first.get(k, []):
+            if i in self.fill_of:
+                f = self.fill_of[i]
+                self.stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=self.pin)
+                self.buffers[i] = (self.stages[i].data_ptr(), self.lens[i])
+        n_read, sends, recvs = self.ro.round_sizes(k)
+        self.read_buf = torch.empty(n_read, dtype=torch.uint8, pin_memory=self.pin)
+        send = torch.empty(sum(n for _, n in sends), dtype=torch.uint8, pin_memory=self.pin)
+        self.ro.read(k, _addr(self.read_buf), _addr(send), self.verify, self.workers)
         # Everything the exchange needs is allocated here, where a failure still reaches every
         # rank before any of them enters the collective.
-        held["exchange"] = _Exchange(group, device, send, sends, recvs)
+        self.exchange = _Exchange(self.group, self.device, send, sends, recvs)
 
-    def step(k: int) -> None:
+    def _step(self, k: int) -> None:
         """Round `k`'s exchange and copies into place, then round `k + 1`'s reads."""
-        recv, mine = held.pop("exchange").run(), held.pop("read")  # alive until copied from
-        held["copied"] += ro.fill(k, _addr(mine), _addr(recv), buffers, workers)
-        done = [i for i in last.get(k, []) if i in stages]
-        into = [i for i in done if id(fill_of[i]) not in tied_to]
-        _copy_into_place([fill_of[i] for i in into], [stages[i] for i in into])
-        checks = [i for i in done if id(fill_of[i]) in tied_to]
-        _check_tied([fill_of[i] for i in checks], [stages[i] for i in checks], tied_to)
+        recv = self.exchange.run()
+        self.copied += self.ro.fill(k, _addr(self.read_buf), _addr(recv), self.buffers, self.workers)
+        done = [i for i in self.last.get(k, []) if i in self.stages]
+        into = [i for i in done if id(self.fill_of[i]) not in self.tied_to]
+        _copy_into_place([self.fill_of[i] for i in into], [self.stages[i] for i in into])
+        checks = [i for i in done if id(self.fill_of[i]) in self.tied_to]
+        _check_tied([self.fill_of[i] for i in checks], [self.stages[i] for i in checks], self.tied_to)
         for i in done:
-            del stages[i]
-            buffers[i] = (0, 0)
-        if k + 1 < ro.rounds:
-            read(k + 1)
-        elif held["copied"] != ro.total:
-            raise OlmoChunksError(f"internal error: a cooperative load copied {held['copied']} of {ro.total} bytes")
-
-    if ro.rounds:
-        group.agree(lambda: read(0))
-    for k in range(ro.rounds):
-        group.agree(functools.partial(step, k))
-    sizes = [ro.round_sizes(k) for k in range(ro.rounds)]
-    peak = max((r + sum(n for _, n in sends) + sum(n for _, n in recvs) for r, sends, recvs in sizes), default=0)
-    return ReadOnceStats(ro.rounds, peak)
+            del self.stages[i]
+            self.buffers[i] = (0, 0)
+        if k + 1 < self.ro.rounds:
+            self._read(k + 1)
+        elif self.copied != self.ro.total:
+            raise OlmoChunksError(f"internal error: a cooperative load copied {self.copied} of {self.ro.total} bytes")
 
 
 def _addr(t: torch.Tensor) -> tuple[int, int]:
