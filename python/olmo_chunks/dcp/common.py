@@ -43,12 +43,20 @@ def check_group(process_group: dist.ProcessGroup | None, rank: int | None, who: 
         )
 
 
-def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[[], Any]) -> Any:
+def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[..., Any],
+              shared: Callable[[], Any] | None = None) -> Any:
     """Runs this rank's part of a DCP data step so that a failure on any rank, a dead one included
     (no heartbeat for `peer_timeout`), is known to every rank before DCP's next collective; after a
-    death that collective is bounded too, where DCP alone would wait for the group's timeout."""
+    death that collective is bounded too, where DCP alone would wait for the group's timeout.
+
+    With `shared`, every rank first learns the value that `shared()` returns on the one rank where
+    it is not None (the coordinator's save id) and `fn` gets it as its argument."""
     try:
-        return Group(process_group, peer_timeout).agree(fn)
+        group = Group(process_group, peer_timeout)
+        if shared is None:
+            return group.agree(fn)
+        value = group.exchange(shared, lambda held: next((v for v in held if v is not None), None))[1]
+        return group.agree(lambda: fn(value))
     except RankFailedError as exc:
         if exc.dead:
             bound_collectives(process_group, min(peer_timeout, 10.0))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     StorageMeta,
@@ -33,14 +34,6 @@ from ..roles import resolve_role
 from ..shards import dtype_name
 from .common import check_group, data_step, is_local_path, path_of
 from .values import encode_object, group_entries
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlanStorage:
-    """Per-rank storage data of a global save plan: the save id all ranks share, and the rank."""
-
-    save_id: str
-    rank: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +149,19 @@ class ChunkStoreWriter(StorageWriter):
         self._abort()
         check_group(self.process_group, None, "ChunkStoreWriter", len(plans))
         self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite, self.peer_timeout)
-        save_id = self._txn.save_id
-        return [dataclasses.replace(p, storage_data=_PlanStorage(save_id, i)) for i, p in enumerate(plans)]
+        # The save id does not travel in the plans: DCP's plan cache (`enable_plan_caching`, keyed
+        # by planner class) hands a rank a plan kept from an earlier save, ours or FileSystemWriter's.
+        # FileSystemWriter's per-rank file prefix keeps a plan cached from this save valid for it.
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            results = data_step(self.process_group, self.peer_timeout, lambda: self._write_items(plan, planner))
+            results = data_step(
+                self.process_group,
+                self.peer_timeout,
+                lambda save_id: self._write_items(save_id, plan, planner),
+                shared=lambda: self._txn.save_id if self._txn is not None else None,
+            )
         except BaseException:
             self._abort()  # the coordinator's: every rank has stopped writing by now
             raise
@@ -169,21 +169,12 @@ class ChunkStoreWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _write_items(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    def _write_items(self, save_id: str | None, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         assert self.path is not None
-        storage = plan.storage_data
-        if not isinstance(storage, _PlanStorage):
-            raise InvalidArgumentError(
-                "ChunkStoreWriter: the save plan carries no save id (was prepare_global_plan bypassed?)"
-            )
-        self.save_id = storage.save_id
-        own = self.path / "data" / storage.save_id / f"rank-{storage.rank:05d}.bin"
-        if own.exists():
-            # Only a reused (cached) global plan repeats a save id; writing would clobber live data.
-            raise InvalidArgumentError(
-                f"{own} exists: the save plan was reused from an earlier save "
-                "(DefaultSavePlanner(enable_plan_caching=True) is not supported by ChunkStoreWriter)"
-            )
+        if save_id is None:
+            raise InvalidArgumentError("ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)")
+        self.save_id = save_id
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         results: list[WriteResult] = []
         chunks: list[tuple[str, tuple, torch.Tensor]] = []
         chunk_items = []
@@ -215,7 +206,7 @@ class ChunkStoreWriter(StorageWriter):
                 )
             chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
-        written = _write(self.path, storage.save_id, storage.rank, chunks, self.block_size, self.workers)
+        written = _write(self.path, save_id, rank, chunks, self.block_size, self.workers)
         for item, chunk in zip(chunk_items, written, strict=True):
             results.append(WriteResult(index=item.index, size_in_bytes=chunk.nbytes, storage_data=chunk))
         return results
