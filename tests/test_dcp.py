@@ -740,6 +740,47 @@ class _Evil:
         return (os.system, ("true",))
 
 
+def test_import_dcp_reads_olmo_cores_storage_info_without_importing_it(tmp_path, monkeypatch):
+    """OLMo-core's RemoteFileSystemWriter pickles its own `_StorageInfo` (relative_path, offset,
+    length): import-dcp reads it as DCP's, bit-exact, with OLMo-core's module never imported; any
+    other class of that module stays refused."""
+    import dataclasses
+    import sys
+    import types
+
+    src = tmp_path / "dcp"
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64), "step": 7}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    fake = types.ModuleType("olmo_core.distributed.checkpoint.filesystem")
+
+    @dataclasses.dataclass
+    class _StorageInfo:
+        relative_path: str
+        offset: int
+        length: int
+
+    _StorageInfo.__module__, _StorageInfo.__qualname__ = fake.__name__, "_StorageInfo"
+    fake._StorageInfo = _StorageInfo
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    md.storage_data = {k: _StorageInfo(v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    monkeypatch.delitem(sys.modules, fake.__name__)
+    assert import_dcp(src, tmp_path / "out")["tensors"] == 2
+    assert fake.__name__ not in sys.modules
+    back = {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.int64), "step": 0}
+    olmo_chunks.load(back, tmp_path / "out")
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["step"] == 7
+
+    _StorageInfo.__qualname__ = _StorageInfo.__name__ = "Other"
+    fake.Other = _StorageInfo
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    monkeypatch.delitem(sys.modules, fake.__name__)
+    with pytest.raises(UnsupportedFormatError, match=r"olmo_core\.distributed\.checkpoint\.filesystem\.Other"):
+        import_dcp(src, tmp_path / "out2")
+
+
 def test_import_dcp_refuses_foreign_pickles(tmp_path):
     src = tmp_path / "dcp"
     dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
