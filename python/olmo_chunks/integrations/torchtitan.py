@@ -67,7 +67,7 @@ class ChunkStoreCheckpointManager(CheckpointManager):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         pg = self.pg if async_mode == AsyncMode.ASYNC else None
         writer = ChunkStoreWriter(checkpoint_id, process_group=pg, peer_timeout=self.peer_timeout)
-        ret: Future | None = None
+        ret: Future | AsyncSaveResponse | None = None
         if async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, process_group=pg)
         else:
