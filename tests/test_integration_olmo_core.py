@@ -96,9 +96,10 @@ def _full_state(train_module) -> dict[str, torch.Tensor]:
 
 def _fit(folder: str, hard_stop: int | None, stock: bool) -> dict[str, Any]:
     """`Trainer.fit` as a user runs it: resumes from `folder` if it holds a checkpoint, saves every
-    2 steps and at the end, stops after `hard_stop` steps if given. (Saves are synchronous: with
-    `save_async` OLMo-core's trainer records the save's duration from the save's thread, at a step
-    that can differ between ranks, and its metric reduction then hangs, stock checkpointer or not.)"""
+    2 steps and at the end, stops after `hard_stop` steps if given. (Saves are synchronous here: with
+    `save_async` the trainer records the save's duration from the save's thread, at a step that can
+    differ between ranks, and OLMo-core's metric reduction, which found the ranks' metrics alike at
+    the first step, can then hang; `_save_async_round_trip` covers `save_async`.)"""
     import olmo_core.distributed.parallel
     from olmo_chunks.integrations.olmo_core import OlmoChunksCheckpointerConfig
     from olmo_core.train import Duration, TrainerConfig
