@@ -46,7 +46,8 @@ class ChunkStoreWriter(StorageWriter):
 
     `path` may be left out when `dcp.save(..., checkpoint_id=path)` names it. `roles` overrides the
     inferred role per key or dotted key prefix; `info` is stored as information in the manifest.
-    Replicated items are deduplicated by DCP's save planner (balanced across replicas).
+    Replicated items are deduplicated by DCP's save planner (balanced across replicas). Planners
+    with `enable_plan_caching=True` (as OLMo-core saves) work: every save gets its own save id.
 
     `FileSystemWriter`'s arguments are accepted with its meaning where they have one here:
     `overwrite=False` refuses (with `CheckpointExistsError`, before any data is written) a path
