@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project virtual env and build the native extension into it.
 # Source this file: it exports VENV and puts it first on PATH.
-# The env lives outside the clone, keyed by a hash of requirements-dev.txt and requirements-lock.txt
-# (exact pins, used as pip constraints), so repeated runs and CI reuse the ~3 GB torch install while
-# the requirements and pins stay the same, and a change of pins makes a new env.
+# The env lives outside the clone, keyed by a hash of requirements-dev.txt,
+# requirements-integrations.txt and requirements-lock.txt (exact pins, used as pip constraints), so
+# repeated runs and CI reuse the ~3 GB torch install while the requirements and pins stay the same,
+# and a change of pins makes a new env.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-HASH="$( (cat "$ROOT/requirements-dev.txt" "$ROOT/requirements-lock.txt"; python3 -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-16)"
+HASH="$( (cat "$ROOT/requirements-dev.txt" "$ROOT/requirements-integrations.txt" "$ROOT/requirements-lock.txt"; python3 -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-16)"
 VENV="${OLMO_CHUNKS_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/olmo-chunks/venv-$HASH}"
 if [ ! -f "$VENV/.complete" ]; then
     mkdir -p "$(dirname "$VENV")"
@@ -19,6 +20,8 @@ if [ ! -f "$VENV/.complete" ]; then
             python3 -m venv "$VENV"
             "$VENV/bin/python" -m pip install -q --upgrade pip -c "$ROOT/requirements-lock.txt"
             "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements-dev.txt" -c "$ROOT/requirements-lock.txt"
+            # OLMo-core declares torch<2.14: installed without dependency resolution, on the lock's torch.
+            "$VENV/bin/python" -m pip install -q --no-deps -r "$ROOT/requirements-integrations.txt" -c "$ROOT/requirements-lock.txt"
             touch "$VENV/.complete"
         fi
     ) 9>"$VENV.lock"

@@ -505,30 +505,74 @@ def test_non_plain_values_are_refused_on_save(tmp_path):
     assert not (tmp_path / "x" / _core.MANIFEST_NAME).exists()
 
 
-def test_a_reused_cached_plan_cannot_clobber_the_live_checkpoint(tmp_path):
-    """With plan caching DCP replays the first save's plan (and save id); the writer refuses it
-    rather than overwrite data the committed manifest points at."""
+def _cached_planner():
+    """OLMo-core's save planner: DCP caches its plans per planner class across saves."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    sd = {"w": torch.arange(6.0)}
-    dcp.save(
-        sd,
-        storage_writer=ChunkStoreWriter(tmp_path),
-        planner=DefaultSavePlanner(enable_plan_caching=True),
-        no_dist=True,
-    )
-    sd["w"] += 1
-    with pytest.raises(CheckpointException) as info:
-        dcp.save(
-            sd,
-            storage_writer=ChunkStoreWriter(tmp_path),
-            planner=DefaultSavePlanner(enable_plan_caching=True),
-            no_dist=True,
-        )
-    assert [type(exc) for exc, _ in info.value.failures.values()] == [InvalidArgumentError]
-    back = {"w": torch.zeros(6)}
-    olmo_chunks.load(back, tmp_path)
-    assert torch.equal(back["w"], torch.arange(6.0))
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True, enable_plan_caching=True)
+
+
+def _clear_plan_cache() -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+        cache.clear()
+
+
+def plan_cache_worker(root: str, stock_first: bool) -> list[str]:
+    """Saves through one cached planner class, alternating FileSystemWriter and ChunkStoreWriter
+    (new paths, and twice over one path), each save with new values; then loads every checkpoint
+    back. Returns the mismatches (none expected)."""
+    _clear_plan_cache()
+    m = world.mesh((2,))
+    sd = {
+        "w": distribute_tensor(torch.zeros(4, 3), m, [Shard(0)]),
+        "r": distribute_tensor(torch.zeros(5), m, [Replicate()]),
+        "step": 0,
+    }
+    kinds = ["stock", "ours", "ours", "stock", "ours", "ours-again"]
+    if not stock_first:
+        kinds = [k for k in kinds if k != "stock"] + ["stock"]
+    saves = []
+    for i, kind in enumerate(kinds):
+        with torch.no_grad():
+            sd["w"].to_local().copy_(torch.arange(6.0).reshape(2, 3) + 100 * i + 10 * dist.get_rank())
+            sd["r"].to_local().copy_(torch.arange(5.0) * i)
+        sd["step"] = i
+        path = f"{root}/{kind.replace('-again', '')}{i if kind != 'ours-again' else i - 1}"
+        writer = dcp.FileSystemWriter(path) if kind == "stock" else ChunkStoreWriter(path, overwrite=True)
+        dcp.save(sd, storage_writer=writer, planner=_cached_planner())
+        saves.append((kind, path, sd["w"].full_tensor().clone(), sd["r"].full_tensor().clone(), i))
+    wrong = []
+    for kind, path, w, r, i in saves:
+        if kind == "ours" and any(k == "ours-again" and p == path for k, p, *_ in saves):
+            continue  # overwritten by the next save
+        back = {
+            "w": distribute_tensor(torch.zeros(4, 3), m, [Shard(1)]),
+            "r": distribute_tensor(torch.zeros(5), m, [Replicate()]),
+            "step": -1,
+        }
+        reader = dcp.FileSystemReader(path) if kind == "stock" else ChunkStoreReader(path)
+        dcp.load(back, storage_reader=reader)
+        if not (torch.equal(back["w"].full_tensor(), w) and torch.equal(back["r"].full_tensor(), r)):
+            wrong.append(f"{kind} {path}: tensors differ")
+        if back["step"] != i:
+            wrong.append(f"{kind} {path}: step {back['step']} != {i}")
+    return wrong
+
+
+@pytest.mark.parametrize("stock_first", [True, False])
+def test_cached_save_plans_get_a_new_save_id_every_save(tmp_path, stock_first):
+    """DCP's plan cache (enable_plan_caching, keyed by planner class, as OLMo-core saves) replays a
+    rank's plan from an earlier save, stock or ours: every save still commits under its own id and
+    every checkpoint, stock and ours, loads back bit-exact (resharded)."""
+    assert world.run(2, plan_cache_worker, str(tmp_path), stock_first) == [[], []]
+    ours = [p for p in tmp_path.iterdir() if p.name.startswith("ours")]
+    ids = [_core.Manifest.open(str(p)).save_id for p in ours]
+    assert len(ours) == 3 and len(set(ids)) == 3
+    # each holds only its committed save's data (the one saved twice: the second save's)
+    assert [[d.name for d in (p / "data").iterdir()] for p in ours] == [[i] for i in ids]
 
 
 def test_tied_weights_load_into_their_one_tensor(tmp_path):
@@ -694,6 +738,47 @@ def test_import_dcp_streams_and_verifies(tmp_path, capsys):
 class _Evil:
     def __reduce__(self):
         return (os.system, ("true",))
+
+
+def test_import_dcp_reads_olmo_cores_storage_info_without_importing_it(tmp_path, monkeypatch):
+    """OLMo-core's RemoteFileSystemWriter pickles its own `_StorageInfo` (relative_path, offset,
+    length): import-dcp reads it as DCP's, bit-exact, with OLMo-core's module never imported; any
+    other class of that module stays refused."""
+    import dataclasses
+    import sys
+    import types
+
+    src = tmp_path / "dcp"
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64), "step": 7}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    fake = types.ModuleType("olmo_core.distributed.checkpoint.filesystem")
+
+    @dataclasses.dataclass
+    class _StorageInfo:
+        relative_path: str
+        offset: int
+        length: int
+
+    _StorageInfo.__module__, _StorageInfo.__qualname__ = fake.__name__, "_StorageInfo"
+    fake._StorageInfo = _StorageInfo
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    md.storage_data = {k: _StorageInfo(v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    monkeypatch.delitem(sys.modules, fake.__name__)
+    assert import_dcp(src, tmp_path / "out")["tensors"] == 2
+    assert fake.__name__ not in sys.modules
+    back = {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.int64), "step": 0}
+    olmo_chunks.load(back, tmp_path / "out")
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["step"] == 7
+
+    _StorageInfo.__qualname__ = _StorageInfo.__name__ = "Other"
+    fake.Other = _StorageInfo
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    monkeypatch.delitem(sys.modules, fake.__name__)
+    with pytest.raises(UnsupportedFormatError, match=r"olmo_core\.distributed\.checkpoint\.filesystem\.Other"):
+        import_dcp(src, tmp_path / "out2")
 
 
 def test_import_dcp_refuses_foreign_pickles(tmp_path):

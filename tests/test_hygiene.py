@@ -54,15 +54,16 @@ def _pins() -> dict[str, str]:
     return pins
 
 
-def test_every_requirement_is_pinned_and_satisfied_by_its_pin():
+@pytest.mark.parametrize("requirements", ["requirements-dev.txt", "requirements-integrations.txt"])
+def test_every_requirement_is_pinned_and_satisfied_by_its_pin(requirements):
     pins = _pins()
-    for line in (ROOT / "requirements-dev.txt").read_text().splitlines():
+    for line in (ROOT / requirements).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         req = Requirement(line)
         name = canonicalize_name(req.name)
-        assert name in pins, f"{req.name} is in requirements-dev.txt but not pinned in requirements-lock.txt"
+        assert name in pins, f"{req.name} is in {requirements} but not pinned in requirements-lock.txt"
         assert req.specifier.contains(pins[name], prereleases=True), (line, pins[name])
     assert "olmo-chunks" not in pins  # the package itself is built from the tree, never pinned
 
@@ -70,6 +71,6 @@ def test_every_requirement_is_pinned_and_satisfied_by_its_pin():
 def test_env_sh_installs_under_the_lock_and_hashes_it():
     env = (ROOT / "scripts" / "env.sh").read_text()
     hash_line = next(line for line in env.splitlines() if line.startswith("HASH="))
-    assert "requirements-dev.txt" in hash_line and "requirements-lock.txt" in hash_line
+    assert all(f"requirements-{name}.txt" in hash_line for name in ("dev", "integrations", "lock"))
     installs = [line for line in env.splitlines() if "pip install" in line]
     assert installs and all('-c "$ROOT/requirements-lock.txt"' in line for line in installs), installs

@@ -1,4 +1,5 @@
-"""`import_dcp`: a checkpoint written by DCP's FileSystemWriter, converted into the chunk store."""
+"""`import_dcp`: a checkpoint written by DCP's FileSystemWriter (as torchtitan saves) or OLMo-core's
+RemoteFileSystemWriter, converted into the chunk store."""
 
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -64,6 +66,12 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint._nested_dict", "OrderedDict"),
 }
 
+# Trainers' own copies of DCP's `_StorageInfo` (a subset of its fields: relative_path, offset,
+# length), read as DCP's: their modules are never imported.
+_STORAGE_INFO_COPIES = {
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"),  # OLMo-core's RemoteFileSystemWriter
+}
+
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Reads DCP's `.metadata` pickle, allowing only the classes DCP puts there."""
@@ -71,6 +79,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) in _STORAGE_INFO_COPIES:
+            return _StorageInfo
         if module == "torch":
             obj = getattr(torch, name, None)
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 from collections.abc import Iterable, Mapping
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     StorageMeta,
@@ -26,21 +28,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import _core
-from .._dist import DEFAULT_PEER_TIMEOUT
+from .._dist import DEFAULT_PEER_TIMEOUT, Group
 from ..checkpoint import _write, commit_manifest
 from ..errors import InvalidArgumentError
 from ..roles import resolve_role
 from ..shards import dtype_name
 from .common import check_group, data_step, is_local_path, path_of
 from .values import encode_object, group_entries
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlanStorage:
-    """Per-rank storage data of a global save plan: the save id all ranks share, and the rank."""
-
-    save_id: str
-    rank: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +47,8 @@ class ChunkStoreWriter(StorageWriter):
 
     `path` may be left out when `dcp.save(..., checkpoint_id=path)` names it. `roles` overrides the
     inferred role per key or dotted key prefix; `info` is stored as information in the manifest.
-    Replicated items are deduplicated by DCP's save planner (balanced across replicas).
+    Replicated items are deduplicated by DCP's save planner (balanced across replicas). Planners
+    with `enable_plan_caching=True` (as OLMo-core saves) work: every save gets its own save id.
 
     `FileSystemWriter`'s arguments are accepted with its meaning where they have one here:
     `overwrite=False` refuses (with `CheckpointExistsError`, before any data is written) a path
@@ -156,13 +151,15 @@ class ChunkStoreWriter(StorageWriter):
         self._abort()
         check_group(self.process_group, None, "ChunkStoreWriter", len(plans))
         self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite, self.peer_timeout)
-        save_id = self._txn.save_id
-        return [dataclasses.replace(p, storage_data=_PlanStorage(save_id, i)) for i, p in enumerate(plans)]
+        # The save id does not travel in the plans: DCP's plan cache (`enable_plan_caching`, keyed
+        # by planner class) hands a rank a plan kept from an earlier save, ours or FileSystemWriter's.
+        # FileSystemWriter's per-rank file prefix keeps a plan cached from this save valid for it.
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
             results = data_step(self.process_group, self.peer_timeout,
-                                lambda group: group.agree(lambda: self._write_items(plan, planner)))
+                                functools.partial(self._data_step, plan, planner))
         except BaseException:
             self._abort()  # the coordinator's: every rank has stopped writing by now
             raise
@@ -170,21 +167,18 @@ class ChunkStoreWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _write_items(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    def _data_step(self, plan: SavePlan, planner: SavePlanner, group: Group) -> list[WriteResult]:
+        """Every rank learns the coordinator's save id (the one rank holding the save), then writes."""
+        mine = self._txn.save_id if self._txn is not None else None
+        save_id = group.exchange(lambda: mine, lambda held: next((v for v in held if v is not None), None))[1]
+        return group.agree(lambda: self._write_items(save_id, plan, planner))
+
+    def _write_items(self, save_id: str | None, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         assert self.path is not None
-        storage = plan.storage_data
-        if not isinstance(storage, _PlanStorage):
-            raise InvalidArgumentError(
-                "ChunkStoreWriter: the save plan carries no save id (was prepare_global_plan bypassed?)"
-            )
-        self.save_id = storage.save_id
-        own = self.path / "data" / storage.save_id / f"rank-{storage.rank:05d}.bin"
-        if own.exists():
-            # Only a reused (cached) global plan repeats a save id; writing would clobber live data.
-            raise InvalidArgumentError(
-                f"{own} exists: the save plan was reused from an earlier save "
-                "(DefaultSavePlanner(enable_plan_caching=True) is not supported by ChunkStoreWriter)"
-            )
+        if save_id is None:
+            raise InvalidArgumentError("ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)")
+        self.save_id = save_id
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         results: list[WriteResult] = []
         chunks: list[tuple[str, tuple, torch.Tensor]] = []
         chunk_items = []
@@ -216,7 +210,7 @@ class ChunkStoreWriter(StorageWriter):
                 )
             chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
-        written = _write(self.path, storage.save_id, storage.rank, chunks, self.block_size, self.workers)
+        written = _write(self.path, save_id, rank, chunks, self.block_size, self.workers)
         for item, chunk in zip(chunk_items, written, strict=True):
             results.append(WriteResult(index=item.index, size_in_bytes=chunk.nbytes, storage_data=chunk))
         return results
