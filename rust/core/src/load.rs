@@ -6,8 +6,8 @@ use crate::dtype::itemsize;
 use crate::error::{CoreError, Result};
 use crate::io::ByteCopy;
 use crate::manifest::Manifest;
-use crate::plan::{check_coverage, plan_scan, Run, TensorPlanner};
-use crate::region::Piece;
+use crate::plan::{box_overlaps, check_coverage, plan_scan, Overlap, Run, TensorPlanner};
+use crate::region::{intersect_boxes, Piece, Region, MAX_NDIM};
 
 /// What one destination buffer wants from one tensor: pieces of the global tensor and where each
 /// element goes in the buffer (element offsets through the pieces' affine maps).
@@ -130,4 +130,77 @@ pub fn check_manifest_coverage(m: &Manifest) -> Result<()> {
         check_coverage(&meta.key, &meta.shape, &regions)?;
     }
     Ok(())
+}
+
+/// Calls `f(offsets, sizes)` for each saved chunk of tensor `t` as torch DCP lists chunks: empty
+/// boxes left out, a flat range as the boxes it decomposes into.
+pub fn for_each_saved_box(m: &Manifest, t: usize, mut f: impl FnMut(&[u64], &[u64])) {
+    let shape = &m.tensors[t].shape;
+    for c in m.tensor_chunks(t) {
+        match &c.region {
+            Region::Box { offsets, sizes } => {
+                if !sizes.contains(&0) {
+                    f(offsets, sizes)
+                }
+            }
+            flat => flat
+                .pieces(shape)
+                .iter()
+                .for_each(|p| f(&p.offsets, &p.sizes)),
+        }
+    }
+}
+
+/// [`box_overlaps`] of `wanted` boxes against the saved boxes of tensor `t` (as
+/// [`for_each_saved_box`] lists them), each hit with its saved box's offsets. A few wanted boxes
+/// (one rank's share) scan the saved boxes; more build the band index.
+pub fn tensor_overlaps(
+    m: &Manifest,
+    t: usize,
+    wanted: &[(Vec<u64>, Vec<u64>)],
+) -> Result<Vec<(Overlap, Vec<u64>)>> {
+    let meta = m
+        .tensors
+        .get(t)
+        .ok_or_else(|| CoreError::InvalidArgument(format!("tensor index {t} out of range")))?;
+    let ndim = meta.shape.len();
+    if wanted.len() > SCAN_LIMIT {
+        let mut saved = Vec::new();
+        for_each_saved_box(m, t, |o, s| saved.push((o.to_vec(), s.to_vec())));
+        let hits = box_overlaps(ndim, &saved, wanted)?;
+        return Ok(hits
+            .into_iter()
+            .map(|o| {
+                let at = saved[o.saved].0.clone();
+                (o, at)
+            })
+            .collect());
+    }
+    if ndim > MAX_NDIM
+        || wanted
+            .iter()
+            .any(|(o, s)| o.len() != ndim || s.len() != ndim)
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "wanted boxes of tensor {:?} are not {ndim}-d boxes",
+            meta.key
+        )));
+    }
+    let mut out = Vec::new();
+    for (w, (wo, ws)) in wanted.iter().enumerate() {
+        let mut s = 0;
+        for_each_saved_box(m, t, |so, ss| {
+            if let Some((offsets, sizes)) = intersect_boxes(so, ss, wo, ws) {
+                let hit = Overlap {
+                    saved: s,
+                    wanted: w,
+                    offsets,
+                    sizes,
+                };
+                out.push((hit, so.to_vec()));
+            }
+            s += 1;
+        });
+    }
+    Ok(out)
 }

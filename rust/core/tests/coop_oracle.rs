@@ -202,15 +202,38 @@ fn a_column_of_a_block_is_one_strided_span() {
         key: "w".into(),
         dtype: "float32".into(),
         shape: vec![8, 8],
-        regions: vec![olmo_chunks_core::Region::Box { offsets: vec![0, 0], sizes: vec![8, 8] }],
+        regions: vec![olmo_chunks_core::Region::Box {
+            offsets: vec![0, 0],
+            sizes: vec![8, 8],
+        }],
     }];
     let m = in_memory_manifest(&tensors, 64); // 4 rows of 16 bytes per block
-    let piece = olmo_chunks_core::Piece { offsets: vec![0, 2], sizes: vec![8, 2], local_start: 0, strides: vec![2, 1] };
-    let copies = plan_copies(&m, &[Target { tensor: 0, pieces: vec![piece], dest: 0, dest_len: 64 }]).unwrap();
+    let piece = olmo_chunks_core::Piece {
+        offsets: vec![0, 2],
+        sizes: vec![8, 2],
+        local_start: 0,
+        strides: vec![2, 1],
+    };
+    let copies = plan_copies(
+        &m,
+        &[Target {
+            tensor: 0,
+            pieces: vec![piece],
+            dest: 0,
+            dest_len: 64,
+        }],
+    )
+    .unwrap();
     let needs = coop::needs(&m, &copies);
     assert_eq!(needs.len(), 4, "{needs:?}"); // one per block
     for (b, n) in needs.iter().enumerate() {
-        let want = coop::Span { chunk: 0, lo: b as u64 * 64 + 8, len: 8, stride: 32, count: 2 };
+        let want = coop::Span {
+            chunk: 0,
+            lo: b as u64 * 64 + 8,
+            len: 8,
+            stride: 32,
+            count: 2,
+        };
         assert_eq!((n.block, n.span), (b as u64, want));
     }
 }

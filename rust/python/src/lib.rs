@@ -254,23 +254,9 @@ impl PyManifest {
             items
                 .iter()
                 .map(|(t, wanted)| {
-                    let Some(meta) = m.tensors.get(*t) else {
-                        return Err(CoreError::InvalidArgument(format!(
-                            "tensor index {t} out of range"
-                        )));
-                    };
-                    let saved = saved_boxes(&m, *t);
-                    Ok(core::box_overlaps(meta.shape.len(), &saved, wanted)?
+                    Ok(core::load::tensor_overlaps(&m, *t, wanted)?
                         .into_iter()
-                        .map(|o| {
-                            (
-                                o.saved,
-                                o.wanted,
-                                saved[o.saved].0.clone(),
-                                o.offsets,
-                                o.sizes,
-                            )
-                        })
+                        .map(|(o, at)| (o.saved, o.wanted, at, o.offsets, o.sizes))
                         .collect())
                 })
                 .collect()
@@ -680,18 +666,8 @@ fn box_runs(
 type PyBox = (Vec<u64>, Vec<u64>);
 
 fn saved_boxes(m: &Manifest, t: usize) -> Vec<PyBox> {
-    let shape = &m.tensors[t].shape;
     let mut out = Vec::new();
-    for c in m.tensor_chunks(t) {
-        match &c.region {
-            Region::Box { offsets, sizes } => {
-                if !sizes.contains(&0) {
-                    out.push((offsets.clone(), sizes.clone()));
-                }
-            }
-            flat => out.extend(flat.pieces(shape).into_iter().map(|p| (p.offsets, p.sizes))),
-        }
-    }
+    core::load::for_each_saved_box(m, t, |o, s| out.push((o.to_vec(), s.to_vec())));
     out
 }
 
