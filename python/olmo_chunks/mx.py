@@ -4,7 +4,8 @@ The rule (`docs/MXFP8.md` has a worked block), per block of `block_size` consecu
 along `dim`, computed in FP32: with `amax` the largest absolute value of the block (NaN elements
 ignored), the shared scale is `X = 2^(floor(log2(amax)) - 8)` (8 = E4M3's largest exponent),
 clamped to E8M0's `2^-127 .. 2^127`; an all-zero block gets `2^-127`. Each element is `x / X`
-saturated to +-448 and rounded to nearest-even into E4M3; NaN stays NaN, +-Inf saturates.
+saturated to +-448 and rounded to nearest-even into E4M3; NaN stays NaN (0x7F), +-Inf
+saturates.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def to_mxfp8(t: torch.Tensor, block_size: int = 32, dim: int = -1) -> MXFP8:
     shared = torch.where(amax == math.inf, E8M0_BIAS, shared).clamp(-E8M0_BIAS, E8M0_BIAS)
     scale = (shared + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
     # Dividing by the stored power of two is exact; clamping first is the saturation (a plain cast
-    # to float8_e4m3fn turns out-of-range values into NaN), and keeps NaN.
-    q = (blocks / scale.float().unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    # to float8_e4m3fn turns out-of-range values into NaN). NaN is written as 0x7F on every device
+    # (GPU arithmetic drops a NaN's sign, CPU arithmetic keeps it).
+    v = (blocks / scale.float().unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
+    q = torch.where(v.isnan(), math.nan, v).to(torch.float8_e4m3fn)
     data = q.reshape(x.shape).movedim(-1, dim).contiguous()
     return MXFP8(data, scale.movedim(-1, dim).contiguous())
