@@ -105,14 +105,17 @@ pub fn decode_block(
     out: &mut [u8],
     tmp: &mut Vec<u8>,
 ) -> Result<(), String> {
-    let Codec::Zstd { shuffle } = codec else {
-        out.copy_from_slice(stored);
-        return Ok(());
-    };
     if stored.len() == out.len() {
-        out.copy_from_slice(stored); // did not shrink: stored raw
+        out.copy_from_slice(stored); // raw, or a zstd block that did not shrink
         return Ok(());
     }
+    let Codec::Zstd { shuffle } = codec else {
+        return Err(format!(
+            "raw block of {} bytes, expected {}",
+            stored.len(),
+            out.len()
+        ));
+    };
     let dst: &mut [u8] = if shuffle == 0 {
         out
     } else {
