@@ -209,3 +209,17 @@ def test_a_crafted_block_with_a_valid_checksum_is_a_clear_error(tmp_path: Path, 
         assert not isinstance(e.value, ChecksumError) and 'tensor "w" chunk 0' in str(e.value)
     with pytest.raises(CorruptCheckpointError, match=message):
         _core.Manifest.open(str(tmp_path / "c")).verify_data()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP (no_dist=True)
+def test_import_dcp_with_compression(tmp_path: Path):
+    from olmo_chunks.cli import main
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    t = tensors()
+    dcp.save(t, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    assert main(["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "z"), "--compression", "zstd"]) == 0
+    assert _core.Manifest.open(str(tmp_path / "z")).format_version == 2
+    back = {k: torch.zeros_like(v) for k, v in t.items()}
+    olmo_chunks.load(back, tmp_path / "z")
+    assert all(torch.equal(back[k], t[k]) for k in t)
