@@ -218,7 +218,8 @@ def save(
 
     `compression="zstd"` compresses each checksum block of every chunk on its own with zstd at
     `compression_level` (default 3), byte-shuffled first where that helps; blocks that do not shrink
-    stay raw (`docs/FORMAT.md`, "Compressed chunks").
+    stay raw (`docs/FORMAT.md`, "Compressed chunks"). A rank holds the compressed bytes of each
+    data file in memory (at most its raw size) until they are written.
     """
     t0 = time.perf_counter()
     zstd = zstd_level(compression, compression_level)
