@@ -11,7 +11,9 @@ On the GPU it measures, in one run:
    memory; then the same load through the read-once rounds (forced, as one process shares no
    block: what each rank of a job does besides the exchange), with its rounds;
 4. the BF16 compute weights rebuilt from the loaded FP32 shards (`compute_weights`: cast, then
-   all-gather over the shards' group, a one-GPU NCCL group here): GB/s of BF16 bytes and GPU memory.
+   all-gather over the shards' group, a one-GPU NCCL group here): GB/s of BF16 bytes and GPU memory;
+   then the same rebuild with the MXFP8 caches (`mxfp8=True`: BF16 plus both MXFP8 forms of every
+   matrix), timed next to it.
 
 Save and load GB/s are also given as fractions of the device->host and host->device bandwidth.
 Without CUDA it prints that it skipped and exits 0; `--cpu` runs the same steps on the CPU (a dry
@@ -68,7 +70,7 @@ def spec(state_bytes: int) -> tuple[int, list[tuple[str, tuple[int, ...], bool]]
     """(hidden size, [(key, shape, is_expert)]) of an OLMo-like MoE state of about `state_bytes`:
     2 layers of attention + `NUM_EXPERTS` experts, main weights and both Adam moments."""
     per_d2 = 12 * (2 * (4 + 2 * NUM_EXPERTS))
-    d = max(16, round(math.sqrt(state_bytes / per_d2) / 16) * 16)
+    d = max(32, round(math.sqrt(state_bytes / per_d2) / 32) * 32)  # MX blocks are 32 wide
     params = []
     for i in range(2):
         params += [(f"blocks.{i}.attention.w_qkv.weight", (3 * d, d), False),
@@ -257,9 +259,17 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
         _sync(device)
         seconds = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in bf16.values())
+    dtype_ok = all(t.dtype == torch.bfloat16 for t in bf16.values())
+    del bf16
+    _sync(device)
+    t0 = time.perf_counter()
+    _, caches = compute_weights(main, mxfp8=True)
+    _sync(device)
+    mx_seconds = time.perf_counter() - t0
+    dtype_ok &= all(c.rowwise.data.dtype == torch.float8_e4m3fn for c in caches.values())
     report["compute_weights"] = {**s.report(), "seconds": round(seconds, 4),
                                  "bf16_mib": round(nbytes / 2**20, 1), "gbps": nbytes / seconds / 1e9,
-                                 "dtype_ok": all(t.dtype == torch.bfloat16 for t in bf16.values())}
+                                 "mxfp8_seconds": round(mx_seconds, 4), "dtype_ok": dtype_ok}
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     save = report["save"]

@@ -130,3 +130,15 @@ def test_read_pace_caps_storage_reads() -> None:
     t0 = time.perf_counter()
     _core.pace_read(10**12)  # no cap: no wait
     assert paced >= 0.19 and time.perf_counter() - t0 < paced
+
+
+def test_compression_bench_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "z.json"
+    args = ["--mib", "0.25", "--reps", "1", "--levels", "1", "--dir", str(tmp_path), "--json", str(out)]
+    assert _bench_script("compression").main(args) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["roles"]) == {"main_weight fp32", "exp_avg fp32", "exp_avg_sq fp32", "bf16 export"}
+    for rows in rep["roles"].values():
+        assert rows["raw"]["ratio"] == 1.0 and 0 < rows["zstd-1"]["ratio"] < 0.95
+        assert set(rows["zstd-1"]["pays_below_gbps"]) == {"save", "load"}
+        assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in rows.values())

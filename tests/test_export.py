@@ -783,3 +783,17 @@ def test_unreadable_hf_dir_fails_with_a_report(moe, tmp_path, capsys):
     )
     assert rc == 1 and "data section" in capsys.readouterr().err
     assert json.loads((tmp_path / "r.json").read_text())["ok"] is False
+
+
+def test_import_hf_with_compression_holds_the_same_tensors(transformers, tmp_path):
+    _tiny(transformers, "olmo2").save_pretrained(tmp_path / "orig")
+    import_hf(tmp_path / "orig", tmp_path / "raw")
+    args = ["--compression", "zstd", "--compression-level", "1"]
+    assert main(["import-hf", str(tmp_path / "orig"), str(tmp_path / "z"), *args]) == 0
+    raw, z = _core.Manifest.open(str(tmp_path / "raw")), _core.Manifest.open(str(tmp_path / "z"))
+    assert (raw.format_version, z.format_version) == (1, 2)
+    assert sum(t.stored_nbytes for t in z.tensors) < sum(t.nbytes for t in z.tensors)
+    states = [{t.key: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in raw.tensors} for _ in range(2)]
+    for sd, path in zip(states, ("raw", "z"), strict=True):
+        olmo_chunks.load(sd, tmp_path / path, strict=False)
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

@@ -135,7 +135,9 @@ def test_inspect_shows_12p_breakdown(saved):
         assert cli.main(["inspect", path, "--no-tensors"]) == 0
     text = out.getvalue()
     for role in (roles.MAIN_WEIGHT, roles.EXP_AVG, roles.EXP_AVG_SQ):
-        assert any(line.split()[:1] == [role] and line.endswith("4.00P") for line in text.splitlines())
+        # role, GiB, bytes/P, stored GiB, stored/raw (uncompressed: 1.000)
+        assert any(line.split()[:1] == [role] and line.split()[2::2] == ["4.00P", "1.000"]
+                   for line in text.splitlines())
 
 
 def _async_while_training(root):

@@ -48,7 +48,8 @@ class TensorInfo:
     """A saved tensor: its schema, how many chunks hold it and their bytes."""
 
     def __new__(
-        cls, key: str, dtype: str, shape: list[int], role: str, chunks: int, nbytes: int
+        cls, key: str, dtype: str, shape: list[int], role: str, chunks: int, nbytes: int,
+        stored_nbytes: int | None = None,
     ) -> Self: ...
     @property
     def key(self) -> str: ...
@@ -62,14 +63,18 @@ class TensorInfo:
     def chunks(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
+    @property
+    def stored_nbytes(self) -> int: ...
 
 @final
 class ChunkInfo:
     """A saved chunk: its region (kind "box" with offsets/sizes, or "flat" with [start]/[len]) and
-    `nbytes` bytes at `offset` of data file `file` (an index into `Manifest.files`)."""
+    `nbytes` bytes at `offset` of data file `file` (an index into `Manifest.files`), stored in
+    `stored_nbytes` bytes encoded by `codec` ("raw" or "zstd")."""
 
     def __new__(
-        cls, kind: str, offsets: list[int], sizes: list[int], file: int, offset: int, nbytes: int
+        cls, kind: str, offsets: list[int], sizes: list[int], file: int, offset: int, nbytes: int,
+        codec: str = ..., stored_nbytes: int | None = None,
     ) -> Self: ...
     @property
     def kind(self) -> str: ...
@@ -83,6 +88,10 @@ class ChunkInfo:
     def offset(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
+    @property
+    def codec(self) -> str: ...
+    @property
+    def stored_nbytes(self) -> int: ...
 
 @final
 class Manifest:
@@ -193,6 +202,9 @@ class WrittenChunk:
         offset: int,
         nbytes: int,
         checksums: list[int],
+        codec: str = ...,
+        shuffle: int = 0,
+        block_lens: list[int] = ...,
     ) -> Self: ...
     @property
     def key(self) -> str: ...
@@ -212,6 +224,12 @@ class WrittenChunk:
     def nbytes(self) -> int: ...
     @property
     def checksums(self) -> list[int]: ...
+    @property
+    def codec(self) -> str: ...
+    @property
+    def shuffle(self) -> int: ...
+    @property
+    def block_lens(self) -> list[int]: ...
 
 def write_chunks(
     dir: str,
@@ -219,6 +237,7 @@ def write_chunks(
     items: list[tuple[str, str, list[int], list[int], int, int]],
     block_size: int,
     workers: int | None = None,
+    zstd_level: int | None = None,
 ) -> list[WrittenChunk]: ...
 
 @final

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
-from .checkpoint import SaveSteps, data_file, staging_bytes, write_file
+from .checkpoint import SaveSteps, data_file, staging_bytes, write_file, zstd_level
 from .errors import OlmoChunksError
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
@@ -74,6 +74,8 @@ def async_save(
     block_size: int = _core.DEFAULT_BLOCK_SIZE,
     workers: int | None = None,
     peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    compression: str | None = None,
+    compression_level: int | None = None,
 ) -> Future[None]:
     """Starts saving `state_dict` to `path` (see the module docstring and `save` for the options);
     returns once this rank's bytes are captured, with a `concurrent.futures.Future` whose
@@ -85,7 +87,7 @@ def async_save(
         _wait(slot.future)
     t0 = time.perf_counter()
     steps = SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
-                      block_size=block_size, workers=workers)
+                      block_size=block_size, workers=workers, zstd=zstd_level(compression, compression_level))
     try:
         chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
         written, batch, part = _stage(steps, chunks, slot, pool_bytes)
@@ -101,7 +103,7 @@ def async_save(
             with steps:
                 steps.lease()
                 name = data_file(steps.save_id, steps.group.rank, part)
-                steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers)
+                steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers, steps.zstd)
                                                 if batch else []))
             steps.log(t0)
             future.set_result(None)
@@ -134,7 +136,7 @@ def _stage(steps: SaveSteps, chunks: list[tuple[str, tuple, torch.Tensor]], slot
         if stream is not None:
             stream.synchronize()
         name = data_file(steps.save_id, steps.group.rank, part)
-        written.extend(write_file(steps.target, name, items, steps.block_size, steps.workers))
+        written.extend(write_file(steps.target, name, items, steps.block_size, steps.workers, steps.zstd))
         part += 1
 
     for (key, region, t), n in zip(chunks, sizes, strict=True):

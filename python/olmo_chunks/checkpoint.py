@@ -101,9 +101,24 @@ def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None) -> d
     return shards
 
 
+DEFAULT_ZSTD_LEVEL = 3
+
+
+def zstd_level(compression: str | None, level: int | None = None) -> int | None:
+    """The zstd level a save's `compression` / `compression_level` arguments ask for (None: raw)."""
+    if compression is None:
+        if level is not None:
+            raise InvalidArgumentError(f"compression_level={level} needs compression='zstd'")
+        return None
+    if compression != "zstd":
+        raise InvalidArgumentError(f"compression={compression!r}: only 'zstd' (or None) is supported")
+    return DEFAULT_ZSTD_LEVEL if level is None else level
+
+
 def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
-           block_size: int, workers: int | None) -> list[_core.WrittenChunk]:
-    """Writes this rank's chunks `(key, region, data)`; returns where each went.
+           block_size: int, workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
+    """Writes this rank's chunks `(key, region, data)`, compressed with zstd at level `zstd` when
+    given; returns where each went.
 
     CPU tensors are written from their own memory. Accelerator tensors go through pinned host
     buffers of at most STAGING_BYTES at a time, one data file per batch."""
@@ -131,7 +146,7 @@ def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, t
                 datas.append((key, region, host))
         if any(t.device.type != "cpu" for _, _, t in batch):
             torch.cuda.synchronize()
-        out.extend(write_file(path, data_file(save_id, rank, b), datas, block_size, workers))
+        out.extend(write_file(path, data_file(save_id, rank, b), datas, block_size, workers, zstd))
         del datas
     return out
 
@@ -147,11 +162,11 @@ def data_file(save_id: str, rank: int, part: int) -> str:
 
 
 def write_file(path: Path, name: str, chunks: list[tuple[str, tuple, torch.Tensor]], block_size: int,
-               workers: int | None) -> list[_core.WrittenChunk]:
+               workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
     """Writes contiguous CPU chunks `(key, region, data)` into one fresh data file `name`."""
     items = [(key, kind, list(a), list(b), t.data_ptr(), t.numel() * t.element_size())
              for key, (kind, a, b), t in chunks]
-    return _core.write_chunks(str(path), name, items, block_size, workers)
+    return _core.write_chunks(str(path), name, items, block_size, workers, zstd)
 
 
 def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dict]:
@@ -216,6 +231,8 @@ def save(
     block_size: int = _core.DEFAULT_BLOCK_SIZE,
     workers: int | None = None,
     peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    compression: str | None = None,
+    compression_level: int | None = None,
 ) -> None:
     """Saves `state_dict` to checkpoint directory `path`, collectively over `process_group`.
 
@@ -229,12 +246,19 @@ def save(
     replaced only with `overwrite=True`; a directory holding anything else is refused; a save
     racing another one to the same path fails with `CheckpointLockedError`. A failure on any rank,
     or a rank silent for `peer_timeout` seconds, raises on every rank.
+
+    `compression="zstd"` compresses each checksum block of every chunk on its own with zstd at
+    `compression_level` (default 3), byte-shuffled first where that helps; blocks that do not shrink
+    stay raw (`docs/FORMAT.md`, "Compressed chunks"). A rank holds the compressed bytes of each
+    data file in memory (at most its raw size) until they are written.
     """
     t0 = time.perf_counter()
+    zstd = zstd_level(compression, compression_level)
     with SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
-                   block_size=block_size, workers=workers) as steps:
+                   block_size=block_size, workers=workers, zstd=zstd) as steps:
         chunks = steps.plan(state_dict)
-        steps.commit(lambda: _write(steps.target, steps.save_id, steps.group.rank, chunks, block_size, workers))
+        steps.commit(lambda: _write(steps.target, steps.save_id, steps.group.rank, chunks, block_size, workers,
+                                    zstd))
     steps.log(t0)
 
 
@@ -245,10 +269,11 @@ class SaveSteps:
     `with` block without a commit abandons the save, leaving the path as it was."""
 
     def __init__(self, group: Group, path: str | os.PathLike[str], *, roles: Mapping[str, str] | None,
-                 info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None) -> None:
+                 info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None,
+                 zstd: int | None = None) -> None:
         self.group, self.target = group, local_path(path)
         self.roles, self.info, self.overwrite = roles, dict(info or {}), overwrite
-        self.block_size, self.workers = block_size, workers
+        self.block_size, self.workers, self.zstd = block_size, workers, zstd
         self.save_id = ""
         self.nbytes = 0
         self._root: dict[str, Any] = {}

@@ -108,18 +108,21 @@ def _gib(n: int) -> str:
 
 
 def summarize(path: str) -> dict:
-    """Per-tensor and per-role totals of a checkpoint, with bytes per main-weight parameter."""
+    """Per-tensor and per-role totals of a checkpoint, with bytes per main-weight parameter; `bytes`
+    are raw (the tensors' own), `stored_bytes` what they take on disk (less when compressed)."""
     m = _core.Manifest.open(path)
     tensors = []
     by_role: dict[str, int] = {}
+    stored: dict[str, int] = {}
     params = 0
     for t in m.tensors:
         numel = 1
         for d in t.shape:
             numel *= d
         tensors.append({"key": t.key, "role": t.role, "dtype": t.dtype, "shape": list(t.shape),
-                        "chunks": t.chunks, "bytes": t.nbytes})
+                        "chunks": t.chunks, "bytes": t.nbytes, "stored_bytes": t.stored_nbytes})
         by_role[t.role] = by_role.get(t.role, 0) + t.nbytes
+        stored[t.role] = stored.get(t.role, 0) + t.stored_nbytes
         if t.role == MAIN_WEIGHT:
             params += numel
     total = sum(by_role.values())
@@ -132,9 +135,10 @@ def summarize(path: str) -> dict:
         "files": len(m.files),
         "chunks": m.num_chunks,
         "total_bytes": total,
+        "total_stored_bytes": sum(stored.values()),
         "parameters": params,
-        "roles": [{"role": r, "bytes": by_role[r], "bytes_per_parameter": by_role[r] / params if params else None}
-                  for r in order],
+        "roles": [{"role": r, "bytes": by_role[r], "stored_bytes": stored[r],
+                   "bytes_per_parameter": by_role[r] / params if params else None} for r in order],
         "info": values.parse_json(m.info_json, f"{path}: manifest info"),
     }
 
@@ -160,12 +164,16 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"{t['key']:<{w}}  {t['role']:<15} {t['dtype']:<9} {shape:<22} {t['chunks']:>6} {t['bytes']:>14}")
     p = s["parameters"]
     print(f"\nP = {p} main-weight parameters")
-    print(f"{'role':<16} {'GiB':>10} {'bytes/P':>8}")
+    print(f"{'role':<16} {'GiB':>10} {'bytes/P':>8} {'stored GiB':>11} {'stored/raw':>10}")
+
+    def row(name: str, raw: int, on_disk: int, per: str) -> None:
+        ratio = f"{on_disk / raw:.3f}" if raw else "-"
+        print(f"{name:<16} {_gib(raw):>10} {per:>8} {_gib(on_disk):>11} {ratio:>10}")
+
     for r in s["roles"]:
         per = f"{r['bytes_per_parameter']:.2f}P" if r["bytes_per_parameter"] is not None else "-"
-        print(f"{r['role']:<16} {_gib(r['bytes']):>10} {per:>8}")
-    tot = f"{s['total_bytes'] / p:.2f}P" if p else "-"
-    print(f"{'total':<16} {_gib(s['total_bytes']):>10} {tot:>8}")
+        row(r["role"], r["bytes"], r["stored_bytes"], per)
+    row("total", s["total_bytes"], s["total_stored_bytes"], f"{s['total_bytes'] / p:.2f}P" if p else "-")
     return 0
 
 

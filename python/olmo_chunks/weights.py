@@ -5,12 +5,18 @@ DTensors) or EP-DP (expert flat views) shards into the compute weights it runs w
 to the compute dtype (BF16 by default) before any collective, which halves the traffic. The
 collectives are plain `torch.distributed` ones on the shards' own groups: NCCL for CUDA tensors,
 gloo for CPU ones.
+
+With `mxfp8=True`, `compute_weights` also builds the MXFP8 caches (`olmo_chunks.mx`) of every
+compute weight with two or more dimensions, row-wise and column-wise, from the gathered compute
+weight: quantising after the all-gather keeps the collectives exactly those of the BF16 rebuild and
+needs no care for MX blocks that straddle a shard boundary.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -20,6 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from .errors import InvalidArgumentError
 from .experts import ExpertFlatView
 from .layout import Piece, _application_order, _pieces
+from .mx import MXFP8Cache, to_mxfp8
 
 __all__ = ["compute_weights", "dtensor_weight", "expert_weight", "full_weight"]
 
@@ -129,8 +136,36 @@ def full_weight(value: DTensor | ExpertFlatView | torch.Tensor, *,
     raise InvalidArgumentError(f"{type(value).__name__} is not a main weight")
 
 
+def _mxfp8_cache(key: str, weight: torch.Tensor) -> MXFP8Cache:
+    """Both MXFP8 forms of one compute weight (blocks of 32 along its last dim and along its
+    second-to-last); a dim that is not a multiple of 32 is refused, naming `key`."""
+    try:
+        return MXFP8Cache(to_mxfp8(weight, 32, -1), to_mxfp8(weight, 32, -2))
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{key}: {e}") from None
+
+
+@overload
+def compute_weights(main: Mapping[str, DTensor | ExpertFlatView | torch.Tensor], *,
+                    ep_dp_group: dist.ProcessGroup | None = ..., dtype: torch.dtype = ...,
+                    mxfp8: Literal[False] = ...) -> dict[str, torch.Tensor]: ...
+@overload
+def compute_weights(main: Mapping[str, DTensor | ExpertFlatView | torch.Tensor], *,
+                    ep_dp_group: dist.ProcessGroup | None = ..., dtype: torch.dtype = ...,
+                    mxfp8: Literal[True]) -> tuple[dict[str, torch.Tensor], dict[str, MXFP8Cache]]: ...
 def compute_weights(main: Mapping[str, DTensor | ExpertFlatView | torch.Tensor], *,
                     ep_dp_group: dist.ProcessGroup | None = None,
-                    dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """`full_weight` of every main weight, by key (the same order on every rank: collective)."""
-    return {key: full_weight(v, ep_dp_group=ep_dp_group, dtype=dtype) for key, v in main.items()}
+                    dtype: torch.dtype = torch.bfloat16, mxfp8: bool = False,
+                    ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, MXFP8Cache]]:
+    """`full_weight` of every main weight, by key (the same order on every rank: collective).
+
+    With `mxfp8=True`, returns `(weights, caches)`: `caches[key]` is the `MXFP8Cache` of
+    `weights[key]` for every weight of two or more dimensions (`rowwise`: blocks along dim -1;
+    `colwise`: along dim -2, which is dim 0 of a matrix and each expert's columns of a stacked
+    `[experts, out, in]` weight). All gathers happen before any quantisation, so a weight MX cannot
+    block (a dim not a multiple of 32) fails every rank alike after the collectives.
+    """
+    weights = {key: full_weight(v, ep_dp_group=ep_dp_group, dtype=dtype) for key, v in main.items()}
+    if not mxfp8:
+        return weights
+    return weights, {key: _mxfp8_cache(key, w) for key, w in weights.items() if w.ndim >= 2}

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .. import _core
-from ..checkpoint import _write, commit_manifest
+from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -169,12 +169,16 @@ def import_dcp(
     batch_bytes: int = 256 << 20,
     workers: int | None = None,
     verify: bool = True,
+    compression: str | None = None,
+    compression_level: int | None = None,
 ) -> dict[str, Any]:
     """Converts a DCP FileSystemWriter checkpoint at `src` into an olmo-chunks checkpoint at `dst`,
     one saved item at a time (memory stays near `batch_bytes` plus the largest item), then
     verifies coverage and every checksum. Returns a summary. Every read stays inside `src` (see
-    `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`."""
+    `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`.
+    `compression` and `compression_level` are `olmo_chunks.save`'s."""
     src, dst = Path(src), Path(dst)
+    zstd = zstd_level(compression, compression_level)
     md = read_dcp_metadata(src)
     storage: Mapping[MetadataIndex, Any] = md.storage_data
     schema: dict[str, tuple] = {}
@@ -219,7 +223,7 @@ def import_dcp(
     def flush() -> None:
         nonlocal pending, pending_bytes, nfile
         if pending:
-            out = _write(dst, txn.save_id, nfile, pending, block_size, workers)
+            out = _write(dst, txn.save_id, nfile, pending, block_size, workers, zstd)
             written.extend(out)
             nfile += 1
         pending, pending_bytes = [], 0
@@ -291,12 +295,15 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-mb", type=int, default=256, help="bytes staged per data file (MiB)")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at dst")
+    p.add_argument("--compression", choices=["zstd"], default=None, help="compress every block with zstd")
+    p.add_argument("--compression-level", type=int, default=None, help="zstd level (default 3)")
 
 
 def _import_cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     s = import_dcp(
-        args.src, args.dst, overwrite=args.overwrite, batch_bytes=args.batch_mb << 20, workers=args.workers
+        args.src, args.dst, overwrite=args.overwrite, batch_bytes=args.batch_mb << 20, workers=args.workers,
+        compression=args.compression, compression_level=args.compression_level,
     )
     dt = time.perf_counter() - t0
     print(

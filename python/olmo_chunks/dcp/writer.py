@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from .. import _core
 from .._dist import DEFAULT_PEER_TIMEOUT, Group
-from ..checkpoint import _write, commit_manifest
+from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import InvalidArgumentError
 from ..roles import resolve_role
 from ..shards import dtype_name
@@ -56,7 +56,8 @@ class ChunkStoreWriter(StorageWriter):
     file per rank and fsyncs it, so `single_file_per_rank` and `sync_files` change nothing;
     `per_thread_copy_ahead` and `cache_staged_state_dict` are ignored. Stream `_extensions`
     (compression) and a `serialization_format` other than the default are refused: olmo-chunks
-    stores raw element bytes.
+    stores element bytes, compressed per block with zstd when `compression="zstd"` (at
+    `compression_level`, as `olmo_chunks.save`).
     """
 
     def __init__(
@@ -77,8 +78,11 @@ class ChunkStoreWriter(StorageWriter):
         serialization_format: Any = None,
         process_group: dist.ProcessGroup | None = None,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        compression: str | None = None,
+        compression_level: int | None = None,
     ) -> None:
         super().__init__()
+        self.zstd = zstd_level(compression, compression_level)
         if _extensions:
             raise InvalidArgumentError(
                 "ChunkStoreWriter: _extensions (stream transforms such as ZStandard) are not supported; "
@@ -210,7 +214,7 @@ class ChunkStoreWriter(StorageWriter):
                 )
             chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
-        written = _write(self.path, save_id, rank, chunks, self.block_size, self.workers)
+        written = _write(self.path, save_id, rank, chunks, self.block_size, self.workers, self.zstd)
         for item, chunk in zip(chunk_items, written, strict=True):
             results.append(WriteResult(index=item.index, size_in_bytes=chunk.nbytes, storage_data=chunk))
         return results

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import _core, values
-from ..checkpoint import _write, commit_manifest, local_path
+from ..checkpoint import _write, commit_manifest, local_path, zstd_level
 from ..errors import ConversionError, InvalidArgumentError, OlmoChunksError
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from ..shards import dtype_name
@@ -328,12 +328,16 @@ def import_hf(
     config: Mapping[str, Any] | None = None,
     workers: int | None = None,
     overwrite: bool = False,
+    compression: str | None = None,
+    compression_level: int | None = None,
 ) -> dict[str, Any]:
     """Writes a native checkpoint at `ckpt` (main weights, native names) from an HF model
     directory (or in-memory tensors), streaming in bounded memory. Vocab rows are padded with
     zeros to `pad_multiple` (default: the mapping's) and the true vocab size, the HF config and
     the mapping are saved with it. A checkpoint already at `ckpt` is replaced only with
-    `overwrite=True`. Returns a summary."""
+    `overwrite=True`; `compression` and `compression_level` are `olmo_chunks.save`'s. Returns a
+    summary."""
+    zstd = zstd_level(compression, compression_level)
     src = source if isinstance(source, (SafetensorsDir, TensorDictSource)) else SafetensorsDir(source)
     if src.problems:
         raise ConversionError(src.problems, header="the HF tensors are inconsistent")
@@ -358,14 +362,14 @@ def import_hf(
     path = local_path(ckpt)
     txn = _core.SaveTransaction.begin(str(path), overwrite)
     try:
-        return _import_into(txn, path, src, plan, spec, native_dtype, config, memory_budget, workers)
+        return _import_into(txn, path, src, plan, spec, native_dtype, config, memory_budget, workers, zstd)
     finally:
         txn.abort()  # a no-op after the commit
 
 
 def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | TensorDictSource, plan: TensorPlan,
                  spec: MappingSpec, native_dtype: dict[str, torch.dtype], config: Mapping[str, Any] | None,
-                 memory_budget: int, workers: int | None) -> dict[str, Any]:
+                 memory_budget: int, workers: int | None, zstd: int | None) -> dict[str, Any]:
     written: list[_core.WrittenChunk] = []
     pending: list[tuple[str, tuple[str, list[int], list[int]], torch.Tensor]] = []
     pending_bytes = 0
@@ -376,7 +380,7 @@ def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | T
         if not pending:
             return
         chunks = [(spec.import_prefix + native, region, t) for native, region, t in pending]
-        written.extend(_write(path, txn.save_id, nfiles, chunks, _core.DEFAULT_BLOCK_SIZE, workers))
+        written.extend(_write(path, txn.save_id, nfiles, chunks, _core.DEFAULT_BLOCK_SIZE, workers, zstd))
         nfiles += 1
         pending, pending_bytes = [], 0
 
@@ -844,6 +848,8 @@ def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET))
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at CKPT")
+    p.add_argument("--compression", choices=["zstd"], default=None, help="compress every block with zstd")
+    p.add_argument("--compression-level", type=int, default=None, help="zstd level (default 3)")
 
 
 def _import_cmd(args: argparse.Namespace) -> int:
@@ -856,6 +862,8 @@ def _import_cmd(args: argparse.Namespace) -> int:
         pad_multiple=args.pad_vocab_multiple,
         workers=args.workers,
         overwrite=args.overwrite,
+        compression=args.compression,
+        compression_level=args.compression_level,
     )
     print(
         f"OK {args.ckpt}: {s['tensors']} native tensors from {s['hf_tensors']} HF tensors "

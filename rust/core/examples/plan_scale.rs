@@ -33,6 +33,7 @@ fn main() {
         chunk_start: vec![0],
         chunks: Vec::new(),
         checksums: vec![0; 1],
+        block_lens: vec![1024; 1],
         entries: RawValue::from_string("{}".into()).unwrap(),
         info: RawValue::from_string("{}".into()).unwrap(),
     };
@@ -47,6 +48,7 @@ fn main() {
                 offset: t * 1024,
                 len: rows_per * cols * 4,
                 crc_index: 0,
+                codec: Default::default(),
             });
         }
         m.chunk_start.push(m.chunks.len());

@@ -20,7 +20,7 @@ pub enum CoreError {
     #[error("{path}: corrupt manifest: {reason}")]
     CorruptManifest { path: PathBuf, reason: String },
     /// The manifest was written by a newer (or unknown) format version.
-    #[error("{path}: checkpoint format version {found} is not supported by this reader (supports {supported}); upgrade olmo-chunks to read it")]
+    #[error("{path}: checkpoint format version {found} is not supported by this reader (supports 1 to {supported}); upgrade olmo-chunks to read it")]
     UnsupportedVersion {
         path: PathBuf,
         found: u32,
@@ -36,6 +36,17 @@ pub enum CoreError {
         end: u64,
         expected: u32,
         found: u32,
+    },
+    /// A compressed block whose checksum matches but that does not decode to its raw bytes (not a
+    /// zstd frame, or one of the wrong length).
+    #[error("{path}: tensor {key:?} chunk {chunk} (file bytes {start}..{end}): {reason}")]
+    CorruptData {
+        path: PathBuf,
+        key: String,
+        chunk: usize,
+        start: u64,
+        end: u64,
+        reason: String,
     },
     /// A data file is shorter than the manifest says.
     #[error("{path}: data file is truncated: tensor {key:?} chunk {chunk} needs bytes up to {needed}, file has {size}")]

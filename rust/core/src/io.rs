@@ -1,10 +1,12 @@
 //! Parallel positional I/O: writing chunks with block checksums, and reading byte ranges of saved
-//! chunks straight into destination memory, verifying checksums on the way.
+//! chunks straight into destination memory, verifying checksums on the way. Compressed chunks
+//! (`codec`) are read block by block through scratch memory.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::codec::{self, Codec, Encoded};
 use crate::error::{CoreError, Result};
 use crate::manifest::{block_count, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
 use crate::storage::{LocalFs, Object, Storage};
@@ -70,8 +72,12 @@ pub struct WriteItem<'a> {
 pub struct Written {
     pub file: u32,
     pub offset: u64,
+    /// Raw bytes of the chunk.
     pub len: u64,
     pub checksums: Vec<u32>,
+    pub codec: Codec,
+    /// Stored length of each block when compressed; empty when raw.
+    pub block_lens: Vec<u32>,
 }
 
 /// [`write_chunks_to`] a local directory.
@@ -94,6 +100,20 @@ pub fn write_chunks_to(
     block_size: u64,
     workers: usize,
 ) -> Result<(Vec<Written>, Vec<FileEntry>)> {
+    write_chunks_with(storage, rel_paths, items, block_size, workers, None)
+}
+
+/// [`write_chunks_to`], compressing every chunk with zstd at `zstd_level` when given (see
+/// [`codec`]). Compression runs first, into memory, so that every chunk's stored size, and so its
+/// place in the file, is known before anything is written.
+pub fn write_chunks_with(
+    storage: &dyn Storage,
+    rel_paths: &[String],
+    items: &[WriteItem<'_>],
+    block_size: u64,
+    workers: usize,
+    zstd_level: Option<i32>,
+) -> Result<(Vec<Written>, Vec<FileEntry>)> {
     if block_size == 0 || block_size > MAX_BLOCK_SIZE {
         return Err(CoreError::InvalidArgument(format!(
             "write_chunks: block size {block_size} is not in 1..={MAX_BLOCK_SIZE}"
@@ -104,24 +124,12 @@ pub fn write_chunks_to(
             "write_chunks: file index out of range".into(),
         ));
     }
-    let mut sizes = vec![0u64; rel_paths.len()];
-    let mut written = Vec::with_capacity(items.len());
-    for it in items {
-        let offset = sizes[it.file].next_multiple_of(ALIGN);
-        let len = it.data.len() as u64;
-        sizes[it.file] = offset + len;
-        written.push(Written {
-            file: it.file as u32,
-            offset,
-            len,
-            checksums: vec![0; block_count(len, block_size) as usize],
-        });
+    if let Some(level) = zstd_level.filter(|l| !codec::level_range().contains(l)) {
+        return Err(CoreError::InvalidArgument(format!(
+            "zstd level {level} is not in {:?}",
+            codec::level_range()
+        )));
     }
-    let files = rel_paths
-        .iter()
-        .zip(&sizes)
-        .map(|(rel, &size)| storage.create(rel, size))
-        .collect::<Result<Vec<_>>>()?;
     let unit = MAX_UNIT.next_multiple_of(block_size);
     let mut work = Vec::new();
     for (i, it) in items.iter().enumerate() {
@@ -132,22 +140,99 @@ pub fn write_chunks_to(
             s += unit;
         }
     }
+    let mut codecs = vec![Codec::Raw; items.len()];
+    let mut encoded: Vec<Option<Encoded>> = work.iter().map(|_| None).collect();
+    if let Some(level) = zstd_level {
+        let first = |i: usize| &items[i].data[..items[i].data.len().min(block_size as usize)];
+        let shuffles = Mutex::new(vec![0u8; items.len()]);
+        run_parallel((0..items.len()).collect(), workers, |i| {
+            let w = codec::choose_shuffle(first(i), level);
+            shuffles.lock().unwrap()[i] = w;
+            Ok(())
+        })?;
+        let shuffles = shuffles.into_inner().unwrap();
+        let done = Mutex::new(std::mem::take(&mut encoded));
+        run_parallel((0..work.len()).collect(), workers, |u| {
+            let (i, s, e) = work[u];
+            let data = &items[i].data[s as usize..e as usize];
+            let enc = codec::encode_blocks(data, block_size, shuffles[i], level);
+            done.lock().unwrap()[u] = Some(enc);
+            Ok(())
+        })?;
+        encoded = done.into_inner().unwrap();
+        codecs = shuffles
+            .into_iter()
+            .map(|shuffle| Codec::Zstd { shuffle })
+            .collect();
+    }
+    // Stored length of each work unit, then where each chunk and unit lands.
+    let unit_lens: Vec<u64> = work
+        .iter()
+        .zip(&encoded)
+        .map(|(&(_, s, e), enc)| enc.as_ref().map_or(e - s, |x| x.bytes.len() as u64))
+        .collect();
+    let mut stored = vec![0u64; items.len()];
+    for (&(i, _, _), n) in work.iter().zip(&unit_lens) {
+        stored[i] += n;
+    }
+    let mut sizes = vec![0u64; rel_paths.len()];
+    let mut written = Vec::with_capacity(items.len());
+    for (i, it) in items.iter().enumerate() {
+        let offset = sizes[it.file].next_multiple_of(ALIGN);
+        let len = it.data.len() as u64;
+        sizes[it.file] = offset + stored[i];
+        written.push(Written {
+            file: it.file as u32,
+            offset,
+            len,
+            checksums: vec![0; block_count(len, block_size) as usize],
+            codec: codecs[i],
+            block_lens: Vec::new(),
+        });
+    }
+    let mut unit_pos = Vec::with_capacity(work.len());
+    let mut next = vec![0u64; items.len()];
+    for (&(i, _, _), n) in work.iter().zip(&unit_lens) {
+        unit_pos.push(written[i].offset + next[i]);
+        next[i] += n;
+    }
+    let files = rel_paths
+        .iter()
+        .zip(&sizes)
+        .map(|(rel, &size)| storage.create(rel, size))
+        .collect::<Result<Vec<_>>>()?;
     let crcs = Mutex::new(Vec::new());
-    run_parallel(work, workers, |(i, s, e)| {
+    run_parallel((0..work.len()).collect(), workers, |u| {
+        let (i, s, e) = work[u];
         let w = &written[i];
-        let data = &items[i].data[s as usize..e as usize];
+        let data = match &encoded[u] {
+            Some(enc) => &enc.bytes[..],
+            None => &items[i].data[s as usize..e as usize],
+        };
         files[w.file as usize]
-            .write_all_at(data, w.offset + s)
+            .write_all_at(data, unit_pos[u])
             .map_err(|err| CoreError::io(storage.name(&rel_paths[w.file as usize]), err))?;
-        let mut local: Vec<(usize, usize, u32)> = Vec::new();
-        for (k, block) in data.chunks(block_size as usize).enumerate() {
-            local.push((i, (s / block_size) as usize + k, crc32c::crc32c(block)));
+        if encoded[u].is_none() {
+            let mut local: Vec<(usize, usize, u32)> = Vec::new();
+            for (k, block) in data.chunks(block_size as usize).enumerate() {
+                local.push((i, (s / block_size) as usize + k, crc32c::crc32c(block)));
+            }
+            crcs.lock().unwrap().extend(local);
         }
-        crcs.lock().unwrap().extend(local);
         Ok(())
     })?;
     for (i, b, c) in crcs.into_inner().unwrap() {
         written[i].checksums[b] = c;
+    }
+    // Units are in chunk order: their blocks' lengths and checksums concatenate.
+    for (u, enc) in encoded.into_iter().enumerate() {
+        if let Some(enc) = enc {
+            let (i, s, _) = work[u];
+            let b = (s / block_size) as usize;
+            let w = &mut written[i];
+            w.checksums[b..b + enc.checksums.len()].copy_from_slice(&enc.checksums);
+            w.block_lens.extend(enc.block_lens);
+        }
     }
     let synced: Vec<(&Box<dyn Object>, &String)> = files.iter().zip(rel_paths).collect();
     run_parallel(synced, workers, |(f, rel)| {
@@ -188,7 +273,8 @@ struct Unit<'a> {
 /// Fails with `Truncated` if chunk `c` does not fit in its data file of `size` bytes.
 fn check_extent(m: &Manifest, c: usize, path: &Path, size: u64) -> Result<()> {
     let ch = &m.chunks[c];
-    if ch.offset + ch.len <= size {
+    let needed = ch.offset + m.stored_len(ch);
+    if needed <= size {
         return Ok(());
     }
     let (key, chunk) = chunk_name(m, c);
@@ -196,7 +282,7 @@ fn check_extent(m: &Manifest, c: usize, path: &Path, size: u64) -> Result<()> {
         path: path.to_path_buf(),
         key,
         chunk,
-        needed: ch.offset + ch.len,
+        needed,
         size,
     })
 }
@@ -298,6 +384,17 @@ pub fn read_from(
     let job = |u: Unit<'_>| -> Result<()> {
         let ch = &m.chunks[u.chunk];
         let (f, path) = files[ch.file as usize].as_ref().unwrap();
+        if ch.codec != Codec::Raw {
+            let mut parts = u.parts;
+            return with_scratch(|raw| {
+                decode_range(m, u.chunk, &**f, path, u.start, u.end, verify, raw)?;
+                for (off, dst) in parts.iter_mut() {
+                    let n = dst.len();
+                    dst.copy_from_slice(&raw[*off as usize..*off as usize + n]);
+                }
+                Ok(())
+            });
+        }
         let io_err = |e: std::io::Error| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {
                 let (key, chunk) = chunk_name(m, u.chunk);
@@ -525,6 +622,80 @@ fn make_units<'a>(
     units
 }
 
+/// Reads the stored blocks holding raw bytes `start..end` (whole blocks, but at the chunk's end)
+/// of compressed chunk `c`, checks their checksums when `verify` is set, and decodes them into
+/// `out`. A block that does not decode to its raw length is `CorruptData`, whether or not checked.
+#[allow(clippy::too_many_arguments)]
+fn decode_range(
+    m: &Manifest,
+    c: usize,
+    f: &dyn Object,
+    path: &Path,
+    start: u64,
+    end: u64,
+    verify: bool,
+    out: &mut Vec<u8>,
+) -> Result<()> {
+    let ch = &m.chunks[c];
+    let bs = m.block_size;
+    let (lens, crcs) = (m.chunk_block_lens(ch), m.chunk_checksums(ch));
+    let (k0, k1) = ((start / bs) as usize, end.div_ceil(bs) as usize);
+    let sum = |r: &[u32]| r.iter().map(|&n| n as u64).sum::<u64>();
+    let at = ch.offset + sum(&lens[..k0]);
+    let n = sum(&lens[k0..k1]);
+    out.resize((end - start) as usize, 0);
+    with_scratch(|stored| {
+        stored.resize(n as usize, 0);
+        f.read_exact_at(&mut [&mut stored[..]], at)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => {
+                    let (key, chunk) = chunk_name(m, c);
+                    CoreError::Truncated {
+                        path: path.to_path_buf(),
+                        key,
+                        chunk,
+                        needed: at + n,
+                        size: f.size(),
+                    }
+                }
+                _ => CoreError::io(path, e),
+            })?;
+        let (mut pos, mut tmp) = (0usize, Vec::new());
+        for k in k0..k1 {
+            let block = &stored[pos..pos + lens[k] as usize];
+            let (s, e) = (at + pos as u64, at + (pos + block.len()) as u64);
+            let found = crc32c::crc32c(block);
+            if verify && found != crcs[k] {
+                let (key, chunk) = chunk_name(m, c);
+                return Err(CoreError::ChecksumMismatch {
+                    path: path.to_path_buf(),
+                    key,
+                    chunk,
+                    start: s,
+                    end: e,
+                    expected: crcs[k],
+                    found,
+                });
+            }
+            let raw = (k as u64 * bs - start) as usize
+                ..((k as u64 + 1) * bs).min(ch.len) as usize - start as usize;
+            codec::decode_block(block, ch.codec, &mut out[raw], &mut tmp).map_err(|reason| {
+                let (key, chunk) = chunk_name(m, c);
+                CoreError::CorruptData {
+                    path: path.to_path_buf(),
+                    key,
+                    chunk,
+                    start: s,
+                    end: e,
+                    reason,
+                }
+            })?;
+            pos += block.len();
+        }
+        Ok(())
+    })
+}
+
 /// Opens data file `file` of `m`, with its name for errors.
 fn open_data_file(
     storage: &dyn Storage,
@@ -575,6 +746,13 @@ pub fn verify_from(
     run_parallel(work, workers, |(c, s, e)| {
         let ch = &m.chunks[c];
         let (f, path) = &files[ch.file as usize];
+        if ch.codec != Codec::Raw {
+            with_scratch(|raw| decode_range(m, c, &**f, path, s, e, true, raw))?;
+            if let Some(done) = progress {
+                done.fetch_add(e - s, Ordering::Relaxed);
+            }
+            return Ok(());
+        }
         with_scratch(|buf| {
             buf.resize((e - s) as usize, 0);
             f.read_exact_at(&mut [&mut buf[..]], ch.offset + s)

@@ -1,6 +1,7 @@
 //! olmo-chunks core: the checkpoint format, chunk indexing and intersection, copy planning and
 //! parallel positional I/O. No Python here: it works on byte slices, paths and plans.
 
+pub mod codec;
 pub mod coop;
 pub mod dtype;
 pub mod error;
@@ -15,10 +16,11 @@ pub mod save;
 pub mod storage;
 pub mod txn;
 
+pub use codec::Codec;
 pub use error::{CoreError, Result};
 pub use io::{
     default_workers, read_from, read_into, verify_all, verify_from, write_chunks, write_chunks_to,
-    ByteCopy, WriteItem, Written,
+    write_chunks_with, ByteCopy, WriteItem, Written,
 };
 pub use load::{check_manifest_coverage, plan_copies, plan_runs, Target};
 pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};

@@ -1,5 +1,6 @@
-//! The manifest: a 64-byte header, a JSON metadata section, a binary chunk table and a checksum
-//! table. `docs/FORMAT.md` is the normative description; keep the two in step.
+//! The manifest: a 64-byte header, a JSON metadata section, a binary chunk table, a checksum
+//! table and (version 2) a block length table. `docs/FORMAT.md` is the normative description;
+//! keep the two in step.
 
 use std::fs::File;
 use std::path::{Component, Path, PathBuf};
@@ -7,12 +8,15 @@ use std::path::{Component, Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::codec::{Codec, SHUFFLES};
 use crate::dtype::itemsize;
 use crate::error::{CoreError, Result};
 use crate::region::{checked_numel, Region, MAX_NDIM};
 
 pub const MAGIC: &[u8; 8] = b"OCHUNKS\n";
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest format version this crate reads and writes. A manifest without compressed chunks
+/// is written as version 1, which every older reader reads; one with them as version 2.
+pub const FORMAT_VERSION: u32 = 2;
 pub const MANIFEST_NAME: &str = "olmo_chunks.manifest";
 pub const HEADER_LEN: usize = 64;
 /// Metadata sections larger than this are refused as corrupt.
@@ -24,6 +28,8 @@ pub const MAX_BLOCK_SIZE: u64 = 64 << 20;
 
 const KIND_BOX: u8 = 0;
 const KIND_FLAT: u8 = 1;
+const CODEC_RAW: u8 = 0;
+const CODEC_ZSTD: u8 = 1;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -48,8 +54,9 @@ pub struct Chunk {
     pub file: u32,
     pub offset: u64,
     pub len: u64,
-    /// Index of the chunk's first block checksum in the checksum table.
+    /// Index of the chunk's first block checksum (and block length) in the tables.
     pub crc_index: u64,
+    pub codec: Codec,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -76,6 +83,8 @@ pub struct Manifest {
     pub chunk_start: Vec<usize>,
     pub chunks: Vec<Chunk>,
     pub checksums: Vec<u32>,
+    /// Stored length of every block, parallel to `checksums` (a raw block's is its raw length).
+    pub block_lens: Vec<u32>,
     /// Plain (non-tensor) values: a JSON object owned by the Python layer, kept verbatim.
     pub entries: Box<RawValue>,
     /// Save topology and other information (a JSON object, verbatim); never needed to load.
@@ -97,15 +106,39 @@ impl Manifest {
         &self.checksums[c.crc_index as usize..c.crc_index as usize + n]
     }
 
+    /// Stored lengths of the blocks of chunk `c`.
+    pub fn chunk_block_lens(&self, c: &Chunk) -> &[u32] {
+        let n = block_count(c.len, self.block_size) as usize;
+        &self.block_lens[c.crc_index as usize..c.crc_index as usize + n]
+    }
+
+    /// Bytes chunk `c` takes in its data file.
+    pub fn stored_len(&self, c: &Chunk) -> u64 {
+        match c.codec {
+            Codec::Raw => c.len,
+            Codec::Zstd { .. } => self.chunk_block_lens(c).iter().map(|&n| n as u64).sum(),
+        }
+    }
+
+    /// The version `encode` writes: 1 unless a chunk is compressed.
+    pub fn format_version(&self) -> u32 {
+        if self.chunks.iter().all(|c| c.codec == Codec::Raw) {
+            1
+        } else {
+            2
+        }
+    }
+
     pub fn tensor_index(&self, key: &str) -> Option<usize> {
         self.tensors.iter().position(|t| t.key == key)
     }
 
     /// Encodes the manifest to bytes.
     pub fn encode(&self) -> Vec<u8> {
+        let version = self.format_version();
         let meta = Meta {
             format: "olmo-chunks".into(),
-            version: FORMAT_VERSION,
+            version,
             save_id: self.save_id.clone(),
             block_size: self.block_size,
             checksum: "crc32c".into(),
@@ -122,7 +155,11 @@ impl Manifest {
                     Region::Box { .. } => KIND_BOX,
                     Region::Flat { .. } => KIND_FLAT,
                 };
-                table.extend_from_slice(&[kind, 0, 0, 0]);
+                let (codec, shuffle) = match c.codec {
+                    Codec::Raw => (CODEC_RAW, 0),
+                    Codec::Zstd { shuffle } => (CODEC_ZSTD, shuffle),
+                };
+                table.extend_from_slice(&[kind, codec, shuffle, 0]);
                 table.extend_from_slice(&c.file.to_le_bytes());
                 for v in [c.offset, c.len, c.crc_index] {
                     table.extend_from_slice(&v.to_le_bytes());
@@ -145,21 +182,33 @@ impl Manifest {
         for c in &self.checksums {
             crcs.extend_from_slice(&c.to_le_bytes());
         }
+        let mut lens = Vec::new();
+        if version >= 2 {
+            lens.reserve(self.block_lens.len() * 4);
+            for n in &self.block_lens {
+                lens.extend_from_slice(&n.to_le_bytes());
+            }
+        }
         let mut out = vec![0u8; HEADER_LEN];
         out[0..8].copy_from_slice(MAGIC);
-        out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out[8..12].copy_from_slice(&version.to_le_bytes());
         out[16..24].copy_from_slice(&(meta.len() as u64).to_le_bytes());
         out[24..32].copy_from_slice(&(table.len() as u64).to_le_bytes());
         out[32..40].copy_from_slice(&(crcs.len() as u64).to_le_bytes());
+        if version >= 2 {
+            out[48..56].copy_from_slice(&(lens.len() as u64).to_le_bytes());
+        }
         let mut body = crc32c::crc32c(&meta);
         body = crc32c::crc32c_append(body, &table);
         body = crc32c::crc32c_append(body, &crcs);
+        body = crc32c::crc32c_append(body, &lens);
         out[40..44].copy_from_slice(&body.to_le_bytes());
         let head = crc32c::crc32c(&out[0..44]);
         out[44..48].copy_from_slice(&head.to_le_bytes());
         out.extend_from_slice(&meta);
         out.extend_from_slice(&table);
         out.extend_from_slice(&crcs);
+        out.extend_from_slice(&lens);
         out
     }
 
@@ -177,7 +226,7 @@ impl Manifest {
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
         let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
         let version = u32_at(8);
-        if version != FORMAT_VERSION {
+        if !(1..=FORMAT_VERSION).contains(&version) {
             return Err(CoreError::UnsupportedVersion {
                 path: path.to_path_buf(),
                 found: version,
@@ -187,17 +236,25 @@ impl Manifest {
         if crc32c::crc32c(&bytes[0..44]) != u32_at(44) {
             return Err(bad("header checksum mismatch".into()));
         }
-        if u32_at(12) != 0 || bytes[48..HEADER_LEN].iter().any(|&b| b != 0) {
+        // Version 2 keeps its block length table's length in the first reserved field.
+        let reserved_from = if version >= 2 { 56 } else { 48 };
+        if u32_at(12) != 0 || bytes[reserved_from..HEADER_LEN].iter().any(|&b| b != 0) {
             return Err(bad("unknown flags or non-zero reserved header bytes".into()));
         }
         let (meta_len, table_len, crc_len) = (u64_at(16), u64_at(24), u64_at(32));
-        let expected = [meta_len, table_len, crc_len]
+        let lens_len = if version >= 2 { u64_at(48) } else { 0 };
+        let expected = [meta_len, table_len, crc_len, lens_len]
             .iter()
             .try_fold(HEADER_LEN as u64, |a, &b| a.checked_add(b));
         if meta_len > MAX_META_LEN || expected != Some(bytes.len() as u64) || crc_len % 4 != 0 {
             return Err(bad(format!(
-                "section lengths {meta_len}+{table_len}+{crc_len} do not match the file size {}",
+                "section lengths {meta_len}+{table_len}+{crc_len}+{lens_len} do not match the file size {}",
                 bytes.len()
+            )));
+        }
+        if version >= 2 && lens_len != crc_len {
+            return Err(bad(format!(
+                "block length table of {lens_len} bytes for a checksum table of {crc_len}"
             )));
         }
         let body = &bytes[HEADER_LEN..];
@@ -205,7 +262,8 @@ impl Manifest {
             return Err(bad("body checksum mismatch".into()));
         }
         let (meta, rest) = body.split_at(meta_len as usize);
-        let (table, crc_bytes) = rest.split_at(table_len as usize);
+        let (table, rest) = rest.split_at(table_len as usize);
+        let (crc_bytes, lens_bytes) = rest.split_at(crc_len as usize);
         let meta: Meta = serde_json::from_slice(meta).map_err(|e| bad(format!("metadata: {e}")))?;
         if meta.version != version {
             return Err(bad(format!(
@@ -242,6 +300,15 @@ impl Manifest {
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
             .collect();
+        // Stored lengths: read from the table (version 2), or raw lengths, filled in per chunk.
+        let mut block_lens: Vec<u32> = lens_bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let lens_given = version >= 2;
+        if !lens_given {
+            block_lens = vec![0; checksums.len()];
+        }
         let mut seen = std::collections::HashSet::with_capacity(meta.tensors.len());
         let mut chunks = Vec::new();
         let mut chunk_start = Vec::with_capacity(meta.tensors.len() + 1);
@@ -288,6 +355,17 @@ impl Manifest {
                 };
                 let head = take(&mut pos, 8)?;
                 let (kind, file) = (head[0], u32::from_le_bytes(head[4..8].try_into().unwrap()));
+                let codec = match (head[1], head[2], head[3]) {
+                    (CODEC_RAW, 0, 0) => Codec::Raw,
+                    (CODEC_ZSTD, shuffle, 0) if version >= 2 && SHUFFLES.contains(&shuffle) => {
+                        Codec::Zstd { shuffle }
+                    }
+                    (c, s, r) => {
+                        return Err(what(format!(
+                            "unknown encoding bytes {c} {s} {r} (format version {version})"
+                        )))
+                    }
+                };
                 let (offset, len, crc_index) = (rd(&mut pos)?, rd(&mut pos)?, rd(&mut pos)?);
                 let region = match kind {
                     KIND_BOX => {
@@ -316,12 +394,6 @@ impl Manifest {
                     .files
                     .get(file as usize)
                     .ok_or_else(|| what(format!("file index {file} out of range")))?;
-                if offset.checked_add(len).is_none_or(|e| e > fe.size) {
-                    return Err(what(format!(
-                        "bytes {offset}+{len} lie outside its file {:?} of {} bytes",
-                        fe.path, fe.size
-                    )));
-                }
                 let nblocks = block_count(len, meta.block_size);
                 if crc_index
                     .checked_add(nblocks)
@@ -329,12 +401,39 @@ impl Manifest {
                 {
                     return Err(what("checksum index out of range".into()));
                 }
+                // Every block's stored length: its raw length when raw, 1 up to it when zstd.
+                let mut stored = 0u64;
+                for k in 0..nblocks {
+                    let raw = (len - k * meta.block_size).min(meta.block_size) as u32;
+                    let slot = &mut block_lens[(crc_index + k) as usize];
+                    if !lens_given {
+                        *slot = raw;
+                    }
+                    let ok = match codec {
+                        Codec::Raw => *slot == raw,
+                        Codec::Zstd { .. } => (1..=raw).contains(slot),
+                    };
+                    if !ok {
+                        return Err(what(format!(
+                            "block {k} stored in {} bytes, raw {raw} ({codec:?})",
+                            *slot
+                        )));
+                    }
+                    stored += *slot as u64;
+                }
+                if offset.checked_add(stored).is_none_or(|e| e > fe.size) {
+                    return Err(what(format!(
+                        "bytes {offset}+{stored} lie outside its file {:?} of {} bytes",
+                        fe.path, fe.size
+                    )));
+                }
                 chunks.push(Chunk {
                     region,
                     file,
                     offset,
                     len,
                     crc_index,
+                    codec,
                 });
             }
         }
@@ -353,6 +452,7 @@ impl Manifest {
             chunk_start,
             chunks,
             checksums,
+            block_lens,
             entries: meta.entries,
             info: meta.info,
         })

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 
 use serde_json::value::RawValue;
 
+use crate::codec::Codec;
 use crate::error::{CoreError, Result};
-use crate::manifest::{Chunk, FileEntry, Manifest, TensorEntry};
+use crate::manifest::{block_count, Chunk, FileEntry, Manifest, TensorEntry};
 use crate::region::Region;
 
 /// What a save says about one global tensor.
@@ -27,8 +28,12 @@ pub struct SavedChunk {
     pub file: String,
     pub file_size: u64,
     pub offset: u64,
+    /// Raw bytes of the chunk (its region's).
     pub len: u64,
     pub checksums: Vec<u32>,
+    pub codec: Codec,
+    /// Stored length of each block when compressed; empty when raw.
+    pub block_lens: Vec<u32>,
 }
 
 /// The manifest of save `save_id`: tensors sorted by key, each with its chunks in the order
@@ -75,6 +80,7 @@ pub fn assemble_manifest(
         chunk_start: vec![0],
         chunks: Vec::new(),
         checksums: Vec::new(),
+        block_lens: Vec::new(),
         entries,
         info,
     };
@@ -100,6 +106,25 @@ pub fn assemble_manifest(
                 }
             };
             let crc_index = m.checksums.len() as u64;
+            let n = c.checksums.len();
+            let lens_ok = match c.codec {
+                Codec::Raw => c.block_lens.is_empty(),
+                Codec::Zstd { .. } => c.block_lens.len() == n,
+            };
+            if block_size == 0 || n as u64 != block_count(c.len, block_size) || !lens_ok {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a chunk of {:?} of {} bytes has {n} checksums and {} block lengths",
+                    c.key,
+                    c.len,
+                    c.block_lens.len()
+                )));
+            }
+            if c.codec == Codec::Raw {
+                let raw = |k: u64| (c.len - k * block_size).min(block_size) as u32;
+                m.block_lens.extend((0..n as u64).map(raw));
+            } else {
+                m.block_lens.extend(c.block_lens);
+            }
             m.checksums.extend(c.checksums);
             m.chunks.push(Chunk {
                 region: c.region,
@@ -107,6 +132,7 @@ pub fn assemble_manifest(
                 offset: c.offset,
                 len: c.len,
                 crc_index,
+                codec: c.codec,
             });
         }
         m.chunk_start.push(m.chunks.len());

@@ -190,7 +190,7 @@ fn expect_rejected(bytes: &[u8]) {
     let r = decode(bytes);
     if bytes.len() >= 12 && &bytes[0..8] == b"OCHUNKS\n" {
         let v = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-        if v != FORMAT_VERSION && bytes.len() >= HEADER_LEN {
+        if !(1..=FORMAT_VERSION).contains(&v) && bytes.len() >= HEADER_LEN {
             return expect_version(r, v);
         }
     }
@@ -294,7 +294,7 @@ fn huge_section_lengths_with_valid_header_checksum() {
 fn newer_versions_are_unsupported() {
     let bytes = sample().encode();
     let (meta, table, crcs) = sections(&bytes);
-    for v in [0u32, 2, 3, u32::MAX] {
+    for v in [0u32, FORMAT_VERSION + 1, u32::MAX] {
         // With the header checksum fixed up, and without.
         expect_version(decode(&reseal(v, &meta, &table, &crcs)), v);
         let mut b = bytes.clone();

@@ -131,6 +131,8 @@ fn another_storage_carries_writes_resharded_reads_and_verification() {
             offset: w.offset,
             len: w.len,
             checksums: w.checksums.clone(),
+            codec: w.codec,
+            block_lens: w.block_lens.clone(),
         })
         .collect();
     let schema = vec![TensorSchema {

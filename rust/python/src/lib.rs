@@ -33,6 +33,7 @@ fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
         CoreError::CorruptManifest { .. } => ("CorruptManifestError", None),
         CoreError::UnsupportedVersion { .. } => ("UnsupportedFormatError", None),
         CoreError::ChecksumMismatch { .. } => ("ChecksumError", None),
+        CoreError::CorruptData { .. } => ("CorruptCheckpointError", None),
         CoreError::Truncated { .. } => ("TruncatedDataError", None),
         CoreError::Layout { .. } => ("LayoutError", None),
         CoreError::InvalidArgument(_) => ("InvalidArgumentError", None),
@@ -149,7 +150,7 @@ impl PyManifest {
 
     #[getter]
     fn format_version(&self) -> u32 {
-        core::FORMAT_VERSION
+        self.inner.format_version()
     }
     #[getter]
     fn save_id(&self) -> &str {
@@ -189,6 +190,7 @@ impl PyManifest {
                 role: t.role.clone(),
                 chunks: t.chunks,
                 nbytes: m.tensor_chunks(i).iter().map(|c| c.len).sum(),
+                stored_nbytes: m.tensor_chunks(i).iter().map(|c| m.stored_len(c)).sum(),
             })
             .collect()
     }
@@ -225,6 +227,8 @@ impl PyManifest {
                     file: c.file,
                     offset: c.offset,
                     nbytes: c.len,
+                    codec: codec_name(c.codec).to_string(),
+                    stored_nbytes: self.inner.stored_len(c),
                 }
             })
             .collect())
@@ -725,11 +729,14 @@ struct PyTensorInfo {
     role: String,
     chunks: usize,
     nbytes: u64,
+    /// Bytes its chunks take in the data files (less than `nbytes` when compressed).
+    stored_nbytes: u64,
 }
 
 #[pymethods]
 impl PyTensorInfo {
     #[new]
+    #[pyo3(signature = (key, dtype, shape, role, chunks, nbytes, stored_nbytes=None))]
     fn new(
         key: String,
         dtype: String,
@@ -737,6 +744,7 @@ impl PyTensorInfo {
         role: String,
         chunks: usize,
         nbytes: u64,
+        stored_nbytes: Option<u64>,
     ) -> Self {
         PyTensorInfo {
             key,
@@ -745,6 +753,7 @@ impl PyTensorInfo {
             role,
             chunks,
             nbytes,
+            stored_nbytes: stored_nbytes.unwrap_or(nbytes),
         }
     }
     fn __eq__(&self, other: &Self) -> bool {
@@ -752,8 +761,8 @@ impl PyTensorInfo {
     }
     fn __repr__(&self) -> String {
         format!(
-            "TensorInfo(key={:?}, dtype={:?}, shape={:?}, role={:?}, chunks={}, nbytes={})",
-            self.key, self.dtype, self.shape, self.role, self.chunks, self.nbytes
+            "TensorInfo(key={:?}, dtype={:?}, shape={:?}, role={:?}, chunks={}, nbytes={}, stored_nbytes={})",
+            self.key, self.dtype, self.shape, self.role, self.chunks, self.nbytes, self.stored_nbytes
         )
     }
 }
@@ -770,11 +779,17 @@ struct PyChunkInfo {
     file: u32,
     offset: u64,
     nbytes: u64,
+    /// "raw" or "zstd".
+    codec: String,
+    /// Bytes the chunk takes in its file (`nbytes` when raw).
+    stored_nbytes: u64,
 }
 
 #[pymethods]
 impl PyChunkInfo {
     #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (kind, offsets, sizes, file, offset, nbytes, codec="raw".to_string(), stored_nbytes=None))]
     fn new(
         kind: String,
         offsets: Vec<u64>,
@@ -782,6 +797,8 @@ impl PyChunkInfo {
         file: u32,
         offset: u64,
         nbytes: u64,
+        codec: String,
+        stored_nbytes: Option<u64>,
     ) -> Self {
         PyChunkInfo {
             kind,
@@ -790,6 +807,8 @@ impl PyChunkInfo {
             file,
             offset,
             nbytes,
+            codec,
+            stored_nbytes: stored_nbytes.unwrap_or(nbytes),
         }
     }
     fn __eq__(&self, other: &Self) -> bool {
@@ -797,8 +816,8 @@ impl PyChunkInfo {
     }
     fn __repr__(&self) -> String {
         format!(
-            "ChunkInfo(kind={:?}, offsets={:?}, sizes={:?}, file={}, offset={}, nbytes={})",
-            self.kind, self.offsets, self.sizes, self.file, self.offset, self.nbytes
+            "ChunkInfo(kind={:?}, offsets={:?}, sizes={:?}, file={}, offset={}, nbytes={}, codec={:?}, stored_nbytes={})",
+            self.kind, self.offsets, self.sizes, self.file, self.offset, self.nbytes, self.codec, self.stored_nbytes
         )
     }
 }
@@ -861,12 +880,17 @@ struct PyWrittenChunk {
     offset: u64,
     nbytes: u64,
     checksums: Vec<u32>,
+    /// "raw", or "zstd" with its `shuffle` width and each block's stored length.
+    codec: String,
+    shuffle: u8,
+    block_lens: Vec<u32>,
 }
 
 #[pymethods]
 impl PyWrittenChunk {
     #[new]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, kind, offsets, sizes, file, file_size, offset, nbytes, checksums, codec="raw".to_string(), shuffle=0, block_lens=Vec::new()))]
     fn new(
         key: String,
         kind: String,
@@ -877,6 +901,9 @@ impl PyWrittenChunk {
         offset: u64,
         nbytes: u64,
         checksums: Vec<u32>,
+        codec: String,
+        shuffle: u8,
+        block_lens: Vec<u32>,
     ) -> Self {
         PyWrittenChunk {
             key,
@@ -888,6 +915,9 @@ impl PyWrittenChunk {
             offset,
             nbytes,
             checksums,
+            codec,
+            shuffle,
+            block_lens,
         }
     }
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
@@ -902,6 +932,9 @@ impl PyWrittenChunk {
             c.offset,
             c.nbytes,
             c.checksums,
+            c.codec,
+            c.shuffle,
+            c.block_lens,
         );
         (slf.get_type(), args).into_pyobject(slf.py())
     }
@@ -923,15 +956,26 @@ impl PyWrittenChunk {
             offset: self.offset,
             len: self.nbytes,
             checksums: self.checksums.clone(),
+            codec: match (self.codec.as_str(), self.shuffle) {
+                ("raw", 0) => core::Codec::Raw,
+                ("zstd", shuffle) => core::Codec::Zstd { shuffle },
+                (c, s) => {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "unknown chunk encoding {c:?} (shuffle {s})"
+                    )))
+                }
+            },
+            block_lens: self.block_lens.clone(),
         })
     }
 }
 
 /// Writes one fresh data file `rel_path` under `dir` holding `items` (`(key, kind, a, b,
-/// address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory), fsyncs it
-/// and its directories, and returns a `WrittenChunk` per item.
+/// address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory), each
+/// compressed with zstd at `zstd_level` when given, fsyncs it and its directories, and returns a
+/// `WrittenChunk` per item.
 #[pyfunction]
-#[pyo3(signature = (dir, rel_path, items, block_size, workers=None))]
+#[pyo3(signature = (dir, rel_path, items, block_size, workers=None, zstd_level=None))]
 fn write_chunks(
     py: Python<'_>,
     dir: PathBuf,
@@ -939,6 +983,7 @@ fn write_chunks(
     items: Vec<PyWriteItem>,
     block_size: u64,
     workers: Option<usize>,
+    zstd_level: Option<i32>,
 ) -> PyResult<Vec<PyWrittenChunk>> {
     let datas: Vec<&[u8]> = items
         .iter()
@@ -957,7 +1002,9 @@ fn write_chunks(
             .iter()
             .map(|&data| core::WriteItem { file: 0, data })
             .collect();
-        core::write_chunks(&dir, &rel, &items, block_size, worker_count(workers))
+        let storage = core::LocalFs::new(&dir);
+        let workers = worker_count(workers);
+        core::write_chunks_with(&storage, &rel, &items, block_size, workers, zstd_level)
     })?;
     let file = &files[0];
     Ok(items
@@ -973,6 +1020,12 @@ fn write_chunks(
             offset: w.offset,
             nbytes: w.len,
             checksums: w.checksums,
+            codec: codec_name(w.codec).to_string(),
+            shuffle: match w.codec {
+                core::Codec::Zstd { shuffle } => shuffle,
+                core::Codec::Raw => 0,
+            },
+            block_lens: w.block_lens,
         })
         .collect())
 }
@@ -1062,6 +1115,13 @@ impl PySaveTransaction {
     /// Removes this save's data and releases the lease (the committed checkpoint is untouched).
     fn abort(&self, py: Python<'_>) {
         py.detach(|| self.inner.lock().unwrap().abort());
+    }
+}
+
+fn codec_name(c: core::Codec) -> &'static str {
+    match c {
+        core::Codec::Raw => "raw",
+        core::Codec::Zstd { .. } => "zstd",
     }
 }
 

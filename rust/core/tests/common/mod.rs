@@ -467,6 +467,7 @@ pub fn assemble_manifest(
     let mut chunk_start = Vec::new();
     let mut chunks = Vec::new();
     let mut checksums = Vec::new();
+    let mut block_lens = Vec::new();
     let mut it = placed.into_iter();
     for t in tensors {
         chunk_start.push(chunks.len());
@@ -479,7 +480,10 @@ pub fn assemble_manifest(
                 offset,
                 len,
                 crc_index: checksums.len() as u64,
+                codec: Default::default(),
             });
+            let raw = |k: u64| (len - k * block_size).min(block_size) as u32;
+            block_lens.extend((0..crcs.len() as u64).map(raw));
             checksums.extend(crcs);
         }
     }
@@ -502,6 +506,7 @@ pub fn assemble_manifest(
         chunk_start,
         chunks,
         checksums,
+        block_lens,
         entries: empty_object(),
         info: empty_object(),
     }
