@@ -122,6 +122,14 @@ pub fn write_chunks_to(
         .zip(&sizes)
         .map(|(rel, &size)| storage.create(rel, size))
         .collect::<Result<Vec<_>>>()?;
+    let mut ends = vec![0u64; rel_paths.len()];
+    for w in &written {
+        let f = w.file as usize;
+        files[f]
+            .pad(ends[f], w.offset - ends[f])
+            .map_err(|e| CoreError::io(storage.name(&rel_paths[f]), e))?;
+        ends[f] = w.offset + w.len;
+    }
     let unit = MAX_UNIT.next_multiple_of(block_size);
     let mut work = Vec::new();
     for (i, it) in items.iter().enumerate() {

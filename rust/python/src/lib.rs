@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use olmo_chunks_core as core;
-use olmo_chunks_core::{CoreError, Manifest, Piece, Region};
+use olmo_chunks_core::{CoreError, Manifest, Piece, Region, Storage};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -112,18 +112,24 @@ type PyWriteItem = (String, String, Vec<u64>, Vec<u64>, usize, usize);
 #[pyclass(name = "Manifest", module = "olmo_chunks._core", frozen)]
 struct PyManifest {
     inner: Arc<Manifest>,
-    dir: PathBuf,
+    storage: Arc<dyn Storage>,
+}
+
+/// A location argument: a local path (`str` or `os.PathLike`) or a URL string.
+fn location(path: &PathBuf) -> String {
+    path.to_string_lossy().into_owned()
 }
 
 #[pymethods]
 impl PyManifest {
-    /// Reads the committed manifest of checkpoint directory `path`.
+    /// Reads the committed manifest of the checkpoint at `path` (a directory or an `s3://` or
+    /// `gs://` URL).
     #[staticmethod]
     fn open(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let m = detach(py, || Manifest::open(&path))?;
+        let (m, storage) = detach(py, || core::open_checkpoint(&location(&path)))?;
         Ok(PyManifest {
             inner: Arc::new(m),
-            dir: path,
+            storage,
         })
     }
 
@@ -224,15 +230,15 @@ impl PyManifest {
         workers: Option<usize>,
         progress: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let (m, dir, workers) = (self.inner.clone(), self.dir.clone(), worker_count(workers));
+        let (m, storage, workers) = (self.inner.clone(), self.storage.clone(), worker_count(workers));
         let Some(progress) = progress else {
-            return detach(py, move || core::verify_all(&dir, &m, workers, None));
+            return detach(py, move || core::verify_from(&*storage, &m, workers, None));
         };
         let done = AtomicU64::new(0);
         let caller = std::thread::current();
         let (verified, failed) = std::thread::scope(|s| {
             let job = s.spawn(|| {
-                let r = core::verify_all(&dir, &m, workers, Some(&done));
+                let r = core::verify_from(&*storage, &m, workers, Some(&done));
                 caller.unpark();
                 r
             });
@@ -299,7 +305,7 @@ impl PyManifest {
         verify: bool,
         workers: Option<usize>,
     ) -> PyResult<()> {
-        let (m, dir) = (self.inner.clone(), self.dir.clone());
+        let (m, storage) = (self.inner.clone(), self.storage.clone());
         let mut ts = Vec::with_capacity(targets.len());
         for (tensor, pieces, dest) in targets {
             let Some(&(_, dest_len)) = buffers.get(dest) else {
@@ -317,8 +323,8 @@ impl PyManifest {
         }
         detach(py, move || {
             let copies = core::plan_copies(&m, &ts)?;
-            core::read_into(
-                &dir,
+            core::read_from(
+                &*storage,
                 &m,
                 copies,
                 as_slices(&buffers)?,
@@ -647,7 +653,7 @@ impl PyWrittenChunk {
     }
 }
 
-/// Writes one fresh data file `rel_path` under `dir` holding `items` (`(key, kind, a, b,
+/// Writes one fresh data file `rel_path` under `dir` (a directory or URL) holding `items` (`(key, kind, a, b,
 /// address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory), fsyncs it
 /// and its directories, and returns a `WrittenChunk` per item.
 #[pyfunction]
@@ -677,7 +683,8 @@ fn write_chunks(
             .iter()
             .map(|&data| core::WriteItem { file: 0, data })
             .collect();
-        core::write_chunks(&dir, &rel, &items, block_size, worker_count(workers))
+        let storage = core::storage_at(&location(&dir))?;
+        core::write_chunks_to(&*storage, &rel, &items, block_size, worker_count(workers))
     })?;
     let file = &files[0];
     Ok(items
@@ -701,14 +708,15 @@ fn write_chunks(
 /// directory's lease, hands out the save id data files go under, then commits or aborts.
 #[pyclass(name = "SaveTransaction", module = "olmo_chunks._core", frozen)]
 struct PySaveTransaction {
-    inner: std::sync::Mutex<core::SaveTxn>,
-    dir: PathBuf,
+    inner: std::sync::Mutex<Box<dyn core::Transaction>>,
+    location: String,
     save_id: String,
 }
 
 #[pymethods]
 impl PySaveTransaction {
-    /// Takes the lease of checkpoint directory `path` (created if missing) for a new save.
+    /// Takes the lease of the checkpoint at `path` (a directory, created if missing, or a URL)
+    /// for a new save.
     #[staticmethod]
     #[pyo3(signature = (path, overwrite=false, lease_timeout=45.0))]
     fn begin(py: Python<'_>, path: PathBuf, overwrite: bool, lease_timeout: f64) -> PyResult<Self> {
@@ -723,11 +731,12 @@ impl PySaveTransaction {
             overwrite,
             lease_timeout,
         };
-        let txn = detach(py, || core::SaveTxn::begin(&path, opts))?;
+        let location = location(&path);
+        let txn = detach(py, || core::begin_save(&location, opts))?;
         Ok(PySaveTransaction {
             save_id: txn.save_id().to_string(),
             inner: std::sync::Mutex::new(txn),
-            dir: path,
+            location,
         })
     }
 
@@ -767,15 +776,15 @@ impl PySaveTransaction {
             .map(|c| c.to_core())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_pyerr(py, e))?;
-        let m = detach(py, || {
-            self.inner
-                .lock()
-                .unwrap()
-                .commit_parts(block_size, tensors, chunks, entries, info)
+        let (m, storage) = detach(py, || {
+            let m = self.inner.lock().unwrap().commit_parts(
+                block_size, tensors, chunks, entries, info,
+            )?;
+            Ok((m, core::storage_at(&self.location)?))
         })?;
         Ok(PyManifest {
             inner: Arc::new(m),
-            dir: self.dir.clone(),
+            storage,
         })
     }
 
@@ -783,6 +792,15 @@ impl PySaveTransaction {
     fn abort(&self, py: Python<'_>) {
         py.detach(|| self.inner.lock().unwrap().abort());
     }
+}
+
+/// What this process moved to and from the bucket of URL `url`: `(bytes_read, bytes_written,
+/// requests)` (requests sent, retries of one not counted).
+#[pyfunction]
+fn object_store_counters(py: Python<'_>, url: &str) -> PyResult<(u64, u64, u64)> {
+    let c = core::object::bucket_counters(url).map_err(|e| to_pyerr(py, e))?;
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    Ok((get(&c.read), get(&c.written), get(&c.requests)))
 }
 
 #[pymodule]
@@ -798,6 +816,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_runs, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
+    m.add_function(wrap_pyfunction!(object_store_counters, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;
