@@ -35,6 +35,7 @@ from ..errors import (
     UnsafePathError,
     UnsupportedFormatError,
 )
+from ..location import checkpoint_location
 from ..roles import resolve_role
 from ..shards import dtype_name
 from .values import encode_object, group_entries
@@ -164,7 +165,7 @@ def import_dcp(
     one saved item at a time (memory stays near `batch_bytes` plus the largest item), then
     verifies coverage and every checksum. Returns a summary. Every read stays inside `src` (see
     `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`."""
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), checkpoint_location(dst)
     md = read_dcp_metadata(src)
     storage: Mapping[MetadataIndex, Any] = md.storage_data
     schema: dict[str, tuple] = {}
@@ -242,7 +243,7 @@ def import_dcp(
             pending.append((fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t.contiguous()))
             pending_bytes += nbytes
 
-    txn = _core.SaveTransaction.begin(str(dst), overwrite)
+    txn = _core.SaveTransaction.begin(dst, overwrite)
     try:
         with files:
             for fqn, smd in md.state_dict_metadata.items():

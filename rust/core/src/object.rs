@@ -24,8 +24,8 @@ use futures_util::{StreamExt, TryStreamExt};
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    BackoffConfig, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode,
-    PutOptions, PutPayload, RetryConfig, UpdateVersion,
+    BackoffConfig, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
+    PutPayload, RetryConfig, UpdateVersion,
 };
 use tokio::runtime::Runtime;
 
@@ -197,6 +197,13 @@ fn io_kind(e: &object_store::Error) -> std::io::ErrorKind {
     }
 }
 
+/// True for a store's answer that the bucket itself does not exist.
+fn is_missing_bucket(e: &object_store::Error) -> bool {
+    let msg = e.to_string();
+    matches!(e, object_store::Error::NotFound { .. })
+        && (msg.contains("NoSuchBucket") || msg.contains("bucket does not exist"))
+}
+
 fn to_io(e: object_store::Error) -> std::io::Error {
     std::io::Error::new(io_kind(&e), e)
 }
@@ -225,12 +232,28 @@ impl ObjectStorage {
 
     /// Runs one request to completion from synchronous code.
     fn block_on<T>(&self, fut: impl std::future::Future<Output = T>) -> T {
-        self.bucket.counters.requests.fetch_add(1, Ordering::Relaxed);
+        self.bucket
+            .counters
+            .requests
+            .fetch_add(1, Ordering::Relaxed);
         self.runtime.block_on(fut)
     }
 
     fn err(&self, rel: &str, e: object_store::Error) -> CoreError {
+        if is_missing_bucket(&e) {
+            return self.missing_bucket();
+        }
         CoreError::io(self.name(rel), to_io(e))
+    }
+
+    /// A missing bucket is a wrong location, not a missing checkpoint or data file.
+    fn missing_bucket(&self) -> CoreError {
+        let bucket = self.url.split('/').nth(2).unwrap_or_default();
+        CoreError::InvalidArgument(format!(
+            "{}: the bucket {bucket:?} does not exist at this endpoint (check the URL and \
+             AWS_ENDPOINT_URL / AWS_REGION, or create the bucket)",
+            self.url
+        ))
     }
 
     /// Writes `bytes` to `rel` in `mode`; returns the new version.
@@ -267,7 +290,11 @@ impl ObjectStorage {
     /// Reads `rel` whole with its version; `None` if it does not exist.
     fn get_versioned(&self, rel: &str) -> Result<Option<(Vec<u8>, UpdateVersion, Duration)>> {
         let got = self.block_on(async {
-            let r = self.bucket.store.get_opts(&self.key(rel), GetOptions::default()).await?;
+            let r = self
+                .bucket
+                .store
+                .get_opts(&self.key(rel), GetOptions::default())
+                .await?;
             let meta = r.meta.clone();
             Ok::<_, object_store::Error>((r.bytes().await?, meta))
         });
@@ -284,7 +311,7 @@ impl ObjectStorage {
                 };
                 Ok(Some((bytes.to_vec(), v, age)))
             }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e @ object_store::Error::NotFound { .. }) if !is_missing_bucket(&e) => Ok(None),
             Err(e) => Err(self.err(rel, e)),
         }
     }
@@ -296,7 +323,7 @@ impl ObjectStorage {
                 e_tag: meta.e_tag,
                 version: meta.version,
             })),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e @ object_store::Error::NotFound { .. }) if !is_missing_bucket(&e) => Ok(None),
             Err(e) => Err(self.err(rel, e)),
         }
     }
@@ -417,19 +444,29 @@ impl Object for RemoteReader {
         let mut bufs = bufs.iter_mut().map(|b| &mut **b).filter(|b| !b.is_empty());
         let mut cur: &mut [u8] = bufs.next().unwrap_or_default();
         s.block_on(async {
-            let mut body = s.bucket.store.get_opts(&self.key, opts).await?.into_stream();
+            let mut body = s
+                .bucket
+                .store
+                .get_opts(&self.key, opts)
+                .await?
+                .into_stream();
             while let Some(piece) = body.next().await {
                 let mut piece = &piece?[..];
                 while !piece.is_empty() {
                     if cur.is_empty() {
-                        cur = bufs.next().ok_or_else(|| std::io::Error::other("long read"))?;
+                        cur = bufs
+                            .next()
+                            .ok_or_else(|| std::io::Error::other("long read"))?;
                     }
                     let n = piece.len().min(cur.len());
                     let (head, tail) = std::mem::take(&mut cur).split_at_mut(n);
                     head.copy_from_slice(&piece[..n]);
                     cur = tail;
                     piece = &piece[n..];
-                    s.bucket.counters.read.fetch_add(n as u64, Ordering::Relaxed);
+                    s.bucket
+                        .counters
+                        .read
+                        .fetch_add(n as u64, Ordering::Relaxed);
                 }
             }
             Ok::<_, std::io::Error>(())
@@ -597,7 +634,12 @@ struct Heartbeat {
 }
 
 impl Heartbeat {
-    fn start(storage: ObjectStorage, token: String, mut version: UpdateVersion, every: Duration) -> Self {
+    fn start(
+        storage: ObjectStorage,
+        token: String,
+        mut version: UpdateVersion,
+        every: Duration,
+    ) -> Self {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let lost = Arc::new(AtomicBool::new(false));
         let (s, l) = (stop.clone(), lost.clone());
@@ -708,10 +750,12 @@ impl ObjectSaveTxn {
         }
         // What failed saves left: data no committed manifest names. If the manifest cannot be
         // read, keep all data (it may be what it names).
-        let live = match Manifest::open_from(s) {
-            Ok(m) => Some(m.files.iter().map(|f| f.path.clone()).collect::<Vec<_>>()),
-            Err(_) if !committed => Some(Vec::new()),
-            Err(_) => None,
+        let live = if committed {
+            Manifest::open_from(s)
+                .ok()
+                .map(|m| m.files.iter().map(|f| f.path.clone()).collect::<Vec<_>>())
+        } else {
+            Some(Vec::new())
         };
         if let Some(live) = live {
             for (_, rel) in saves.iter().filter(|(_, rel)| !live.contains(rel)) {
@@ -727,7 +771,9 @@ impl ObjectSaveTxn {
             return;
         };
         for rel in rels {
-            let id = rel.strip_prefix(&format!("{DATA_DIR}/")).and_then(|r| r.split_once('/'));
+            let id = rel
+                .strip_prefix(&format!("{DATA_DIR}/"))
+                .and_then(|r| r.split_once('/'));
             if id.is_some_and(|(id, file)| is_save_id(id) && is_data_file(file) && doomed(id)) {
                 let _ = self.storage.delete(&rel);
             }
@@ -827,9 +873,7 @@ impl Drop for ObjectSaveTxn {
 /// (no heartbeat for `timeout`, or a local process that no longer exists) with a PUT conditional on
 /// the version that writer left. Returns the lease's version.
 fn acquire(s: &ObjectStorage, token: &str, timeout: Duration) -> Result<UpdateVersion> {
-    let exists = |e: &CoreError| {
-        matches!(e, CoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists)
-    };
+    let exists = |e: &CoreError| matches!(e, CoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists);
     for _ in 0..3 {
         match s.put(LEASE_NAME, token.as_bytes().to_vec(), PutMode::Create) {
             Ok(v) => return Ok(v),
@@ -851,7 +895,11 @@ fn acquire(s: &ObjectStorage, token: &str, timeout: Duration) -> Result<UpdateVe
                 ),
             });
         }
-        match s.put(LEASE_NAME, token.as_bytes().to_vec(), PutMode::Update(version)) {
+        match s.put(
+            LEASE_NAME,
+            token.as_bytes().to_vec(),
+            PutMode::Update(version),
+        ) {
             Ok(v) => return Ok(v),
             Err(e) if exists(&e) => {}
             Err(e) => return Err(e),

@@ -21,13 +21,9 @@ fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
                 std::io::ErrorKind::NotFound => "MissingDataFileError",
                 _ => "StorageError",
             };
-            (
-                class,
-                Some((
-                    source.raw_os_error().unwrap_or(0),
-                    path.display().to_string(),
-                )),
-            )
+            // An object store's errors carry no errno: the message alone says what happened.
+            let os = source.raw_os_error();
+            (class, os.map(|errno| (errno, path.display().to_string())))
         }
         CoreError::NotACheckpoint { .. } => ("CheckpointNotFoundError", None),
         CoreError::CorruptManifest { .. } => ("CorruptManifestError", None),
@@ -116,7 +112,7 @@ struct PyManifest {
 }
 
 /// A location argument: a local path (`str` or `os.PathLike`) or a URL string.
-fn location(path: &PathBuf) -> String {
+fn location(path: &std::path::Path) -> String {
     path.to_string_lossy().into_owned()
 }
 
@@ -230,7 +226,11 @@ impl PyManifest {
         workers: Option<usize>,
         progress: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let (m, storage, workers) = (self.inner.clone(), self.storage.clone(), worker_count(workers));
+        let (m, storage, workers) = (
+            self.inner.clone(),
+            self.storage.clone(),
+            worker_count(workers),
+        );
         let Some(progress) = progress else {
             return detach(py, move || core::verify_from(&*storage, &m, workers, None));
         };
@@ -777,9 +777,11 @@ impl PySaveTransaction {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_pyerr(py, e))?;
         let (m, storage) = detach(py, || {
-            let m = self.inner.lock().unwrap().commit_parts(
-                block_size, tensors, chunks, entries, info,
-            )?;
+            let m = self
+                .inner
+                .lock()
+                .unwrap()
+                .commit_parts(block_size, tensors, chunks, entries, info)?;
             Ok((m, core::storage_at(&self.location)?))
         })?;
         Ok(PyManifest {
