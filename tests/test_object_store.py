@@ -109,17 +109,10 @@ def test_a_corrupted_object_fails_its_checksum(s3, bucket):
 
 def test_a_missing_bucket_is_a_clear_error(s3, bucket):
     url = f"s3://{bucket}-missing/x"
-    with pytest.raises(InvalidArgumentError, match='bucket ".*-missing" does not exist'):
+    with pytest.raises(InvalidArgumentError, match=r'bucket ".*-missing" does not exist'):
         olmo_chunks.load({"w": torch.zeros(3)}, url)
-    with pytest.raises(InvalidArgumentError, match='bucket ".*-missing" does not exist'):
+    with pytest.raises(InvalidArgumentError, match=r'bucket ".*-missing" does not exist'):
         olmo_chunks.save({"w": torch.zeros(3)}, url)
-
-
-def test_unsupported_urls_are_refused():
-    with pytest.raises(InvalidArgumentError, match="unsupported URL scheme 'ftp'"):
-        olmo_chunks.save({"w": torch.zeros(3)}, "ftp://host/x")
-    with pytest.raises(InvalidArgumentError, match="no bucket name"):
-        olmo_chunks.load({"w": torch.zeros(3)}, "s3:///x")
 
 
 def test_cli_inspects_and_verifies_a_url(s3, bucket):
