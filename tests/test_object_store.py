@@ -78,6 +78,15 @@ def test_multipart_objects_round_trip_bit_exact_and_count_their_requests(s3, buc
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["step"] == 1
 
 
+def test_async_save_to_a_url(s3, bucket):
+    url = f"s3://{bucket}/async"
+    olmo_chunks.async_save(_state(5, 100_000), url, pool_bytes=64 << 10).result()  # staged in batches
+    back = {"w": torch.zeros(100_000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    want = _state(5, 100_000)
+    assert torch.equal(back["w"], want["w"]) and torch.equal(back["b"], want["b"]) and back["step"] == 5
+
+
 def test_overwrite_commits_the_new_save_and_removes_the_old_data(s3, bucket):
     url = f"s3://{bucket}/ow"
     olmo_chunks.save(_state(1, 1000), url)
@@ -231,7 +240,7 @@ def test_the_manifest_put_is_conditional_so_a_save_never_replaces_one_it_did_not
     a.abort()
     m = _core.Manifest.open(url)
     assert m.save_id == b.save_id
-    assert s3.keys(bucket) == ["cond/olmo_chunks.manifest", f"cond/data/{b.save_id}/rank-00000.bin"]
+    assert s3.keys(bucket) == [f"cond/data/{b.save_id}/rank-00000.bin", "cond/olmo_chunks.manifest"]
     back = {"w": torch.zeros(10)}
     olmo_chunks.load(back, url)
     assert torch.equal(back["w"], torch.full((10,), 2.0))
