@@ -143,6 +143,34 @@ def test_cli_inspects_and_verifies_a_url(s3, bucket):
     assert r.returncode == 1 and "not an olmo-chunks checkpoint" in r.stderr
 
 
+def test_cli_import_hf_export_and_validate_through_a_url(s3, bucket, tmp_path):
+    from olmo_chunks.cli import main
+
+    from tests.test_export import hf_config, olmoe_hf_oracle, olmoe_native, read_hf, write_hf
+
+    want = olmoe_hf_oracle(olmoe_native(seed=3))
+    write_hf(tmp_path / "hf", want, hf_config())
+    url = f"s3://{bucket}/from-hf"
+    assert main(["import-hf", str(tmp_path / "hf"), url]) == 0
+    assert main(["export", url, str(tmp_path / "out")]) == 0
+    got = read_hf(tmp_path / "out")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    report = tmp_path / "report.json"
+    assert main(["validate-conversion", "--native", url, "--hf", str(tmp_path / "out"), "--report", str(report)]) == 0
+    assert json.loads(report.read_text())["native"] == url
+
+
+def test_cli_import_dcp_into_a_url(s3, bucket, tmp_path):
+    from olmo_chunks.cli import main
+
+    from tests.test_dcp import fs_save_worker, native_load_worker
+
+    src, url = str(tmp_path / "dcp"), f"s3://{bucket}/imported"
+    world.run(2, fs_save_worker, src)
+    assert main(["import-dcp", src, url]) == 0
+    assert world.run(3, in_env, s3.env(), native_load_worker, url) == [[], [], []]
+
+
 def save_and_report(url: str, seed: int) -> str:
     """Saves (with a short lease), returning the error it raised, by class, or "ok"."""
     try:
