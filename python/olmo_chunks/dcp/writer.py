@@ -178,7 +178,7 @@ class ChunkStoreWriter(StorageWriter):
             )
         self.save_id = storage.save_id
         own = os.path.join(self.path, "data", storage.save_id, f"rank-{storage.rank:05d}.bin")
-        if not is_url(self.path) and os.path.exists(own):
+        if not is_url(self.path) and os.path.exists(own):  # (an object store refuses it itself)
             # Only a reused (cached) global plan repeats a save id; writing would clobber live data.
             raise InvalidArgumentError(
                 f"{own} exists: the save plan was reused from an earlier save "

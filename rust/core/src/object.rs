@@ -388,7 +388,16 @@ impl Storage for ObjectStorage {
         }
     }
 
+    /// Refuses an object that exists: data objects are written once, under a fresh save id, so
+    /// one that exists means a reused save id, whose live data must not be overwritten.
     fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>> {
+        if self.head(rel)?.is_some() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{}: exists; refusing to overwrite it (data objects are written once, under a \
+                 fresh save id: was a save plan reused?)",
+                self.name(rel).display()
+            )));
+        }
         let fewest = size.div_ceil(MAX_PARTS);
         let part = if fewest > self.part_size {
             fewest.next_multiple_of(1 << 20)
