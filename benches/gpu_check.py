@@ -162,7 +162,8 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
     async_exact = all(torch.equal(back[key].local if expert else back[key], data[key])
                       for key, _, expert in tensors)
     del back
-    report["async_save"] = {**memory, "pool_mib": round(pool / 2**20, 1), "stall_seconds": round(stall, 4), "sync_seconds": round(seconds, 3),
+    report["async_save"] = {**memory, "pool_mib": round(pool / 2**20, 1), "stall_seconds": round(stall, 4),
+                            "sync_seconds": round(seconds, 3),
                             "stall_of_sync": stall / seconds,
                             "stall_x_d2h_copy": stall / (total / 1e9 / report["copy"]["d2h_gbps"]),
                             "exact": async_exact}
