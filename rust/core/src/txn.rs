@@ -2,7 +2,8 @@
 //! manifest, and cleanup limited to what provably belongs to this store's failed or superseded
 //! saves. The invariant (docs/FORMAT.md, "Saves"): at every moment the directory holds one complete
 //! checkpoint or none, and a save that returned success stays loadable until another save to the
-//! same directory succeeds.
+//! same directory succeeds. Every door drives a save through [`Transaction`]; `object.rs` implements
+//! it for object stores.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
