@@ -1,9 +1,12 @@
-"""Make `tests.*` and, until the package is installed, `olmo_chunks` importable here and in workers."""
+"""Make `tests.*` and, until the package is installed, `olmo_chunks` importable here and in workers;
+the session's S3-compatible server (`s3`)."""
 
 import importlib.util
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,3 +25,15 @@ def pytest_sessionfinish(session, exitstatus):
     world = sys.modules.get("tests.world")
     if world is not None:
         world.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto) on 127.0.0.1 for the session, stopped at its end."""
+    from tests.s3server import S3Server
+
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.close()

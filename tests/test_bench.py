@@ -14,6 +14,7 @@ import torch
 from olmo_chunks import bench
 
 from tests import world
+from tests.s3server import in_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,13 +31,15 @@ def test_model_spec_is_olmo_like_and_sized() -> None:
     assert len(specs) == 3 * len({s.key for s in specs if s.key.startswith("model.")})
 
 
-def test_reshard_bench_tiny(tmp_path: Path) -> None:
-    opts = bench.Options(size_bytes=3 << 20, reps=1, root=str(tmp_path), threads=(1, 2), storage_gbps=2.0)
-    results = world.run(bench.WORLD, bench.run_on_rank, opts, timeout=600)
+def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
+    url = f"s3://{s3.bucket()}/runs"
+    opts = bench.Options(size_bytes=3 << 20, reps=1, root=str(tmp_path), threads=(1, 2), url=url,
+                         storage_gbps=2.0)
+    results = world.run(bench.WORLD, in_env, s3.env(), bench.run_on_rank, opts, timeout=600)
     res = results[0]
     assert results[1:] == [None] * (bench.WORLD - 1)
     assert res["state_bytes"] == bench.state_nbytes(bench.model_spec(3 << 20))
-    contenders = {"native", "ours-dcp", "dcp-fs t=1", "dcp-fs t=2"}
+    contenders = {"native", "ours-dcp", "dcp-fs t=1", "dcp-fs t=2", "native@url", "ours-dcp@url"}
     saved = {a.label for _, a, _ in bench.PAIRS}
     got = {(r["where"], r["method"]) for r in res["save"]}
     assert got == {(w, m) for w in saved for m in contenders | {"raw"}}
@@ -59,6 +62,10 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
         assert math.isclose(row["gbps"], res["state_bytes"] / row["best_s"] / 1e9)
         if row["method"] == "raw":
             assert row["of_roofline"] == 1.0
+        if row["method"].endswith("@url") and row in res["save"] + res["load"]:
+            assert len(row["requests_per_rank"]) == bench.WORLD and sum(row["requests_per_rank"]) > 0
+        else:
+            assert row["requests_per_rank"] is None
     for row in res["save"] + res["load"]:
         dcp_best = max(r["gbps"] for r in res[("save" if row in res["save"] else "load")]
                        if r["where"] == row["where"] and r["method"].startswith("dcp"))
@@ -69,7 +76,8 @@ def test_reshard_bench_tiny(tmp_path: Path) -> None:
     assert "olmo_chunks async_save" in table and "DCP async_save" in table
     for label in ("olmo_chunks native", "olmo_chunks native, verify=False", "olmo_chunks via DCP",
                   "DCP FileSystemWriter t=2", "DCP FileSystemReader", "roofline: raw read", "roofline: raw write+fsync",
-                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s", "read=direct", "read x"):
+                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s", "read=direct", "read x",
+                  "olmo_chunks native @url", "requests "):
         assert label in table
     assert json.loads(json.dumps(res)) == res
     assert not (tmp_path / "bench").exists()

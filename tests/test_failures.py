@@ -369,10 +369,12 @@ def test_saves_without_tensor_bytes(tmp_path, sd):
     assert all(back[k] == v for k, v in sd.items() if not isinstance(v, torch.Tensor))
 
 
-def test_url_paths_are_refused(tmp_path, monkeypatch):
+def test_urls_of_unsupported_stores_are_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(InvalidArgumentError, match="URL schemes are not supported"):
-        olmo_chunks.save({"w": torch.ones(3)}, "s3://bucket/x")
+    with pytest.raises(InvalidArgumentError, match="unsupported URL scheme 'ftp'"):
+        olmo_chunks.save({"w": torch.ones(3)}, "ftp://host/x")
+    with pytest.raises(InvalidArgumentError, match="no bucket name"):
+        olmo_chunks.load({"w": torch.ones(3)}, "s3:///x")
     assert os.listdir(tmp_path) == []
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "box_runs",
     "flat_pieces",
     "io_counters",
+    "object_store_counters",
     "pace_read",
     "plan_read_once",
     "set_read_pace",
@@ -239,10 +240,13 @@ def write_chunks(
     workers: int | None = None,
     zstd_level: int | None = None,
 ) -> list[WrittenChunk]: ...
+def object_store_counters(url: str) -> tuple[int, int, int]:
+    """`(bytes_read, bytes_written, requests)` this process moved to and from the bucket of `url`."""
 
 @final
 class SaveTransaction:
-    """One save into a checkpoint directory: its lease, the save id, then commit or abort."""
+    """One save into a checkpoint (a directory or an `s3://` / `gs://` URL): its lease, the save
+    id, then commit or abort."""
 
     @staticmethod
     def begin(path: str, overwrite: bool = False, lease_timeout: float = 45.0) -> SaveTransaction: ...

@@ -16,8 +16,10 @@ Loads read a checkpoint written moments before (warm page cache) for every conte
 load is checked bit-exact on the first repetition, and counts the bytes it read from storage (all
 ranks together, over the checkpoint's bytes: `read x`). `--storage-gbps` models slower shared
 storage: each of the M loading ranks may read at most 1/M of that bandwidth (every contender's
-reads are paced alike), which is where reading each byte once pays. `olmo-chunks bench` and `benches/reshard.py` run
-this module.
+reads are paced alike), which is where reading each byte once pays. With an object-store URL
+(`--path s3://...`), `native` and `ours-dcp` also save to and load from `URL/bench/` in the same run
+(rows marked `@url`), and each of those steps reports the requests it sent, per rank and in total.
+`olmo-chunks bench` and `benches/reshard.py` run this module.
 """
 
 from __future__ import annotations
@@ -394,6 +396,7 @@ class Options:
     verify: bool = True
     threads: tuple[int, ...] = ()  # FileSystemWriter thread counts (default: 1 and the core count)
     storage_gbps: float = 0.0  # shared storage bandwidth of loads (0: unbounded)
+    url: str | None = None  # an object-store location measured besides the local disk
 
 
 def _dcp_thread_counts(opts: Options) -> tuple[int, ...]:
@@ -409,6 +412,7 @@ def _save_step(method: str, held: _Held | None, path: str, raw_file: tuple[str, 
     from . import checkpoint
     from .dcp import ChunkStoreWriter
 
+    method = method.removesuffix(URL_SUFFIX)
     if held is None:
         return timed(lambda: None)
     if method == "raw":
@@ -486,6 +490,7 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
     from . import checkpoint
     from .dcp import ChunkStoreReader, FastLoadPlanner
 
+    method = method.removesuffix(URL_SUFFIX)
     if held is None:
         return timed(lambda: None)
     if method == "raw":
@@ -504,6 +509,16 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
 def _base(method: str) -> str:
     """The contender whose checkpoint a load method reads."""
     return method.removesuffix("-noverify").removesuffix("-direct")
+
+
+URL_SUFFIX = "@url"
+
+
+def _requests(url: str | None) -> int:
+    """Requests this process has sent to the bucket of `url` so far (0 without one)."""
+    from . import _core
+
+    return _core.object_store_counters(url)[2] if url else 0
 
 
 def run_on_rank(opts: Options) -> dict[str, Any] | None:
@@ -528,11 +543,18 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
     groups = {r: dist.new_group(list(range(r))) for r in sizes}
     dcp_threads = _dcp_thread_counts(opts)
     contenders = ["native", "ours-dcp", *(f"dcp-fs t={t}" for t in dcp_threads)]
+    if opts.url:
+        contenders += [f"native{URL_SUFFIX}", f"ours-dcp{URL_SUFFIX}"]
     records: list[dict[str, Any]] = []
 
-    def record(kind: str, where: str, method: str, seconds: float, rss: int, read: int = 0) -> None:
+    def record(kind: str, where: str, method: str, seconds: float, rss: int, requests: int = 0,
+               read: int = 0) -> None:
         records.append({"kind": kind, "where": where, "method": method, "seconds": seconds, "rss": rss,
-                        "read": read})
+                        "requests": requests, "read": read})
+
+    def path_of(method: str, ranks: int) -> str:
+        name = re.sub(r"[^a-z0-9-]", "", method.removesuffix(URL_SUFFIX)) + f"-{ranks}"
+        return f"{opts.url}/bench/{name}" if method.endswith(URL_SUFFIX) else os.path.join(root, name)
 
     saved_layouts = sorted({a for _, a, _ in PAIRS}, key=lambda lo: -lo.ranks)
     raw_buf = torch.full((max(_share(total, lo.ranks, 0)[1] + 1 for lo in saved_layouts),), 0x5A,
@@ -542,15 +564,16 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
             src = _hold(specs, a, rank)
             if src is not None:
                 _fill(src)
-            paths = {m: os.path.join(root, re.sub(r"[^a-z0-9-]", "", m) + f"-{a.ranks}") for m in contenders}
+            paths = {m: path_of(m, a.ranks) for m in contenders}
             raw_files = [(os.path.join(root, "raw", f"rank-{r}.bin"), _share(total, a.ranks, r)[1])
                          for r in range(a.ranks)]
             mine = raw_files[rank] if rank < a.ranks else ("", 0)
             # Durable saves, interleaved so drifting machine load hits every contender alike.
             for method in ["raw", *contenders]:
+                sent = _requests(opts.url)
                 with _PeakRss() as peak:
                     seconds = _save_step(method, src, paths.get(method, ""), mine, raw_buf, groups[a.ranks])
-                record("save", a.label, method, seconds, peak.extra)
+                record("save", a.label, method, seconds, peak.extra, _requests(opts.url) - sent)
             for method in ("native", "dcp", "raw"):
                 with _PeakRss() as peak:
                     seconds = _stage_step(method, src, mine[1], raw_buf)
@@ -574,7 +597,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
                         _warm([src_path], rank, b.ranks)
                     dist.barrier()
                     _core.set_read_pace(int(opts.storage_gbps * 1e9 / b.ranks) if dst is not None else 0)
-                    before = _storage_reads()
+                    before, sent = _storage_reads(), _requests(opts.url)
                     try:
                         with _PeakRss() as peak:
                             seconds = _load_step(method, dst, paths.get(_base(method), ""), raw_files,
@@ -583,7 +606,8 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
                         _core.set_read_pace(0)
                     if dst is not None and method != "raw" and rep == 0 and opts.verify:
                         _check(dst, f"{name} {method}")
-                    record("load", name, method, seconds, peak.extra, _storage_reads() - before)
+                    record("load", name, method, seconds, peak.extra, _requests(opts.url) - sent,
+                           _storage_reads() - before)
                 del dst
             dist.barrier()
             if rank == 0:
@@ -605,19 +629,23 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
     largest extra RSS of any rank, GB/s and the ratios."""
     total = state_nbytes(specs)
     cells: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for rank, recs in enumerate(per_rank):
+    for recs in per_rank:
         for r in recs:
-            c = cells.setdefault((r["kind"], r["where"], r["method"]), {"seconds": [], "rss": 0, "read": {}})
+            c = cells.setdefault((r["kind"], r["where"], r["method"]),
+                                 {"seconds": [], "rss": 0, "requests": {}, "read": {}})
             if per_rank[0] is recs:
                 c["seconds"].append(r["seconds"])
             c["rss"] = max(c["rss"], r["rss"])
-            c["read"].setdefault(rank, r.get("read", 0))  # the same every repetition
+            c["requests"].setdefault(id(recs), r.get("requests", 0))  # the first repetition's
+            c["read"].setdefault(id(recs), r.get("read", 0))  # the same every repetition
     rows: dict[str, list[dict[str, Any]]] = {"save": [], "stage": [], "stall": [], "load": []}
     for (kind, where, method), c in cells.items():
         best = min(c["seconds"])
+        requests = list(c["requests"].values())
         rows[kind].append({"where": where, "method": method, "seconds": c["seconds"], "best_s": best,
                            "gbps": total / best / 1e9, "peak_extra_rss_mib": c["rss"] / MIB,
-                           "read_x": sum(c["read"].values()) / total})
+                           "read_x": sum(c["read"].values()) / total,
+                           "requests_per_rank": requests if any(requests) else None})
     for group in rows.values():
         by_where: dict[str, list[dict]] = {}
         for row in group:
@@ -637,6 +665,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
         "experts": NUM_EXPERTS,
         "reps": opts.reps,
         "storage_gbps": opts.storage_gbps or None,
+        "url": opts.url,
         "dcp_writer_threads": list(dcp_threads),
         "page_cache": "warm (loads read data written moments before; caches are not dropped)",
         "pairs": [{"name": n, "save": asdict(a) | {"label": a.label}, "load": asdict(b) | {"label": b.label}}
@@ -691,6 +720,8 @@ def _name(method: str, kind: str) -> str:
         return "DCP DefaultStager"
     if method == "native" and kind == "stage":
         return "olmo_chunks host copy"
+    if method.endswith(URL_SUFFIX):
+        return _name(method.removesuffix(URL_SUFFIX), kind) + " @url"
     if method.startswith("dcp-fs"):
         t = method.split("=")[1]
         return f"DCP FileSystemWriter t={t}" if kind == "save" else f"DCP FileSystemReader (t={t} save)"
@@ -710,13 +741,17 @@ def format_table(res: dict[str, Any]) -> str:
         + "; read x = bytes read from storage by all ranks / checkpoint bytes; RSS MiB = peak extra RSS "
         "of the worst rank during the step, beyond the state it saves from / loads into",
     ]
-    head = f"  {'':<34} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8} {'read x':>7}"
+    if res.get("url"):
+        lines.append(f"@url rows: {res['url']}/bench (requests: total, then per rank, of the first repetition)")
+    head = f"  {'':<38} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8} {'read x':>7}"
 
     def row(r: dict[str, Any], kind: str) -> str:
         x = f"{r['x_dcp']:.2f}" if r["x_dcp"] is not None else "-"
         read = f"{r['read_x']:.2f}" if kind == "load" else ""
-        return (f"  {_name(r['method'], kind):<34} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "
-                f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f} {read:>7}").rstrip()
+        req = r.get("requests_per_rank")
+        req = f"  requests {sum(req)} ({'/'.join(map(str, req))})" if req else ""
+        return (f"  {_name(r['method'], kind):<38} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "
+                f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f} {read:>7}{req}").rstrip()
 
     for kind, title in (("save", "Durable save (fsync), saved layout"),
                         ("stage", "Staging only (CPU copies, no I/O)"),
@@ -778,6 +813,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-gb", type=float, default=2.0, help="state size in GiB (default 2)")
     p.add_argument("--reps", type=int, default=2, help="repetitions; the best is reported (default 2)")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
+    p.add_argument("--path", default=None,
+                   help="a directory (as --dir), or an object-store URL (s3://bucket/prefix, gs://...) where the "
+                        "native and DCP-door contenders also save and load, besides the local disk")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--dcp-threads", type=int, nargs="*", default=None,
                    help="FileSystemWriter thread counts (default: 1 and the core count)")
@@ -787,10 +825,15 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from .location import checkpoint_location, is_url
+
+    path = checkpoint_location(args.path) if args.path else None
+    url = path if path and is_url(path) else None
     opts = Options(
         size_bytes=int(args.size_gb * 2**30),
         reps=args.reps,
-        root=args.dir or tempfile.gettempdir(),
+        root=args.dir or (path if path and not url else None) or tempfile.gettempdir(),
+        url=url,
         verify=not args.no_verify,
         threads=tuple(args.dcp_threads or ()),
         storage_gbps=args.storage_gbps,

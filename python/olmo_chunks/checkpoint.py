@@ -10,7 +10,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,36 +19,22 @@ from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
 from .fill import STAGING_BYTES, Fill, fill
+from .location import checkpoint_location
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import Leaf, flatten
 
-__all__ = ["LoadReport", "load", "local_path", "open_manifest", "save"]
+__all__ = ["LoadReport", "load", "open_manifest", "save"]
 
 log = logging.getLogger(__name__)
 
-
-
-def local_path(path: str | os.PathLike[str]) -> Path:
-    """`path` as a local directory; URLs (`s3://...`) are refused until a storage for them exists."""
-    try:
-        s = os.fspath(path)
-    except TypeError:
-        s = None
-    if not isinstance(s, str) or not s:
-        raise InvalidArgumentError(f"a checkpoint path must be a non-empty str or os.PathLike, not {path!r}")
-    if "://" in s:
-        raise InvalidArgumentError(
-            f"{s}: URL schemes are not supported (olmo-chunks reads and writes local or shared filesystems)"
-        )
-    return Path(s)
 
 
 def open_manifest(group: Group, path: str | os.PathLike[str]) -> _core.Manifest:
     """The manifest committed at `path` (collective): rank 0 alone reads it from storage and the
     group's collectives hand its bytes to the others, so metadata reads do not grow with ranks.
     An error opening it is raised on every rank, as the same error."""
-    where = str(local_path(path))
+    where = checkpoint_location(path)
     if group.size == 1:
         return _core.Manifest.open(where)
     raw: list[bytes] = []
@@ -115,7 +100,7 @@ def zstd_level(compression: str | None, level: int | None = None) -> int | None:
     return DEFAULT_ZSTD_LEVEL if level is None else level
 
 
-def _write(path: Path, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
+def _write(path: str, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
            block_size: int, workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
     """Writes this rank's chunks `(key, region, data)`, compressed with zstd at level `zstd` when
     given; returns where each went.
@@ -161,12 +146,12 @@ def data_file(save_id: str, rank: int, part: int) -> str:
     return f"data/{save_id}/rank-{rank:05d}" + (f"-{part:03d}" if part else "") + ".bin"
 
 
-def write_file(path: Path, name: str, chunks: list[tuple[str, tuple, torch.Tensor]], block_size: int,
+def write_file(path: str, name: str, chunks: list[tuple[str, tuple, torch.Tensor]], block_size: int,
                workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
     """Writes contiguous CPU chunks `(key, region, data)` into one fresh data file `name`."""
     items = [(key, kind, list(a), list(b), t.data_ptr(), t.numel() * t.element_size())
              for key, (kind, a, b), t in chunks]
-    return _core.write_chunks(str(path), name, items, block_size, workers, zstd)
+    return _core.write_chunks(path, name, items, block_size, workers, zstd)
 
 
 def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dict]:
@@ -234,7 +219,8 @@ def save(
     compression: str | None = None,
     compression_level: int | None = None,
 ) -> None:
-    """Saves `state_dict` to checkpoint directory `path`, collectively over `process_group`.
+    """Saves `state_dict` to checkpoint `path` (a directory, or an `s3://bucket/prefix` or
+    `gs://bucket/prefix` URL), collectively over `process_group`.
 
     Tensors may be plain (the whole tensor, the same wherever it appears), DTensors of any
     placement, or `ChunkSource`s; each rank writes its own chunks in parallel from native code and
@@ -271,7 +257,7 @@ class SaveSteps:
     def __init__(self, group: Group, path: str | os.PathLike[str], *, roles: Mapping[str, str] | None,
                  info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None,
                  zstd: int | None = None) -> None:
-        self.group, self.target = group, local_path(path)
+        self.group, self.target = group, checkpoint_location(path)
         self.roles, self.info, self.overwrite = roles, dict(info or {}), overwrite
         self.block_size, self.workers, self.zstd = block_size, workers, zstd
         self.save_id = ""
@@ -313,7 +299,7 @@ class SaveSteps:
             _, self.save_id = self.group.exchange(None, lambda _: self._take_lease())
 
     def _take_lease(self) -> str:
-        txn = self._root["txn"] = _core.SaveTransaction.begin(str(self.target), self.overwrite,
+        txn = self._root["txn"] = _core.SaveTransaction.begin(self.target, self.overwrite,
                                                               self.group.peer_timeout)
         return txn.save_id
 

@@ -61,7 +61,8 @@ class UnsafePathError(CorruptCheckpointError):
 
 
 class StorageError(OlmoChunksError, OSError):
-    """An operating-system error while reading or writing checkpoint files."""
+    """An operating-system or object-store error while reading or writing a checkpoint (an object
+    store's after its bounded retries)."""
 
 
 class LayoutError(OlmoChunksError, ValueError):

@@ -33,6 +33,7 @@ from . import _core, values
 from ._dist import Group
 from .checkpoint import load
 from .errors import InvalidArgumentError, MismatchError
+from .location import checkpoint_location
 
 __all__ = [
     "PREFIX",
@@ -164,7 +165,7 @@ def load_trainer_state(
     here = _layout(group, layout)
 
     def read() -> tuple[TrainerState, dict[str, Any], dict[str, Any] | None]:
-        manifest = _core.Manifest.open(str(path))
+        manifest = _core.Manifest.open(checkpoint_location(path))
         entries = values.entries(manifest)
         missing = [f"{PREFIX}.{n}: missing from the checkpoint" for n in (*_FIELDS, "layout")
                    if f"{PREFIX}.{n}" not in entries]

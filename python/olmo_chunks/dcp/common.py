@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -16,17 +15,23 @@ from ..errors import (
     InvalidArgumentError,
     RankFailedError,
 )
+from ..location import checkpoint_location
 
 log = logging.getLogger(__name__)
 
 
-def path_of(checkpoint_id: str | os.PathLike | None, current: Path | None) -> Path | None:
-    return Path(checkpoint_id) if checkpoint_id else current
+def path_of(checkpoint_id: str | os.PathLike | None, current: str | None) -> str | None:
+    """The checkpoint location `checkpoint_id` names, or `current` when it names none."""
+    return checkpoint_location(checkpoint_id) if checkpoint_id else current
 
 
-def is_local_path(checkpoint_id: str | os.PathLike) -> bool:
-    s = os.fspath(checkpoint_id)
-    return isinstance(s, str) and "://" not in s
+def is_location(checkpoint_id: str | os.PathLike) -> bool:
+    """True if `checkpoint_id` is a local path or a URL of a supported object store."""
+    try:
+        checkpoint_location(checkpoint_id)
+    except InvalidArgumentError:
+        return False
+    return True
 
 
 def check_group(process_group: dist.ProcessGroup | None, rank: int | None, who: str,

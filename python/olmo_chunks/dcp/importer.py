@@ -37,6 +37,7 @@ from ..errors import (
     UnsafePathError,
     UnsupportedFormatError,
 )
+from ..location import checkpoint_location
 from ..roles import resolve_role
 from ..shards import dtype_name
 from .values import encode_object, group_entries
@@ -177,7 +178,7 @@ def import_dcp(
     verifies coverage and every checksum. Returns a summary. Every read stays inside `src` (see
     `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`.
     `compression` and `compression_level` are `olmo_chunks.save`'s."""
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), checkpoint_location(dst)
     zstd = zstd_level(compression, compression_level)
     md = read_dcp_metadata(src)
     storage: Mapping[MetadataIndex, Any] = md.storage_data
@@ -256,7 +257,7 @@ def import_dcp(
             pending.append((fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t.contiguous()))
             pending_bytes += nbytes
 
-    txn = _core.SaveTransaction.begin(str(dst), overwrite)
+    txn = _core.SaveTransaction.begin(dst, overwrite)
     try:
         with files:
             for fqn, smd in md.state_dict_metadata.items():

@@ -38,8 +38,9 @@ from ..errors import (
     MismatchError,
 )
 from ..fill import READ_MODES, Fill, fill
+from ..location import checkpoint_location, is_url
 from ..shards import torch_dtype
-from .common import check_group, data_step, is_local_path, path_of
+from .common import check_group, data_step, is_location, path_of
 from .values import dcp_leaves
 
 
@@ -74,7 +75,7 @@ class ChunkStoreReader(StorageReader):
                 "ChunkStoreReader: _extension_registry is not supported; olmo-chunks stores raw "
                 "element bytes, with no stream transforms to undo"
             )
-        self.path = Path(path) if path is not None else None
+        self.path = checkpoint_location(path) if path is not None else None
         self.verify = verify
         self.workers = workers
         self.process_group = process_group
@@ -86,7 +87,7 @@ class ChunkStoreReader(StorageReader):
         self._value_paths: dict[str, tuple] = {}
 
     @property
-    def checkpoint_id(self) -> Path | None:
+    def checkpoint_id(self) -> str | None:
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -100,7 +101,7 @@ class ChunkStoreReader(StorageReader):
                 raise InvalidArgumentError(
                     "ChunkStoreReader: no path (pass one, or checkpoint_id to dcp.load)"
                 )
-            m = _core.Manifest.open(str(self.path))
+            m = _core.Manifest.open(self.path)
             self._tensors = {t.key: (i, torch_dtype(t.dtype)) for i, t in enumerate(m.tensors)}
             self._values, self._value_paths = {}, {}
             for key, enc in values.entries(m).items():
@@ -213,7 +214,10 @@ class ChunkStoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_local_path(checkpoint_id) and (Path(checkpoint_id) / _core.MANIFEST_NAME).is_file()
+        if not is_location(checkpoint_id):
+            return False
+        location = checkpoint_location(checkpoint_id)
+        return is_url(location) or (Path(location) / _core.MANIFEST_NAME).is_file()
 
 
 class SavedChunks(Sequence[ChunkStorageMetadata]):

@@ -8,7 +8,6 @@ import functools
 import io
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,9 +30,10 @@ from .. import _core
 from .._dist import DEFAULT_PEER_TIMEOUT, Group
 from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import InvalidArgumentError
+from ..location import checkpoint_location, is_url
 from ..roles import resolve_role
 from ..shards import dtype_name
-from .common import check_group, data_step, is_local_path, path_of
+from .common import check_group, data_step, is_location, path_of
 from .values import encode_object, group_entries
 
 
@@ -100,7 +100,7 @@ class ChunkStoreWriter(StorageWriter):
                     f"workers={workers}"
                 )
             workers = thread_count
-        self.path = Path(path) if path is not None else None
+        self.path = checkpoint_location(path) if path is not None else None
         self.roles = dict(roles) if roles else None
         self.info = dict(info) if info else {}
         self.block_size = block_size
@@ -117,7 +117,7 @@ class ChunkStoreWriter(StorageWriter):
         self._txn: _core.SaveTransaction | None = None  # the coordinator's save, begun at global planning
 
     @property
-    def checkpoint_id(self) -> Path | None:
+    def checkpoint_id(self) -> str | None:
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -142,11 +142,11 @@ class ChunkStoreWriter(StorageWriter):
         check_group(self.process_group, kwargs.get("rank"), "ChunkStoreWriter")
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.path) if self.path else None, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         assert self.path is not None
-        if self.path.exists() and not self.path.is_dir():
+        if not is_url(self.path) and os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InvalidArgumentError(f"{self.path}: exists and is not a directory")
         return plan
 
@@ -255,4 +255,4 @@ class ChunkStoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_local_path(checkpoint_id)
+        return is_location(checkpoint_id)

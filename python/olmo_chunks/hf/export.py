@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from .. import _core, values
-from ..checkpoint import _write, commit_manifest, local_path, zstd_level
+from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import ConversionError, InvalidArgumentError, OlmoChunksError
+from ..location import checkpoint_location, is_url
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from ..shards import dtype_name
 from .mapping import (
@@ -152,6 +153,12 @@ def _sha256_json(v: Any) -> str:
     return hashlib.sha256(json.dumps(v, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _source_name(ckpt: str | os.PathLike[str]) -> str:
+    """How a report names checkpoint `ckpt`: its URL, or its absolute path."""
+    location = checkpoint_location(ckpt)
+    return location if is_url(location) else str(Path(location).resolve())
+
+
 def export_checkpoint(
     ckpt: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -174,7 +181,7 @@ def export_checkpoint(
     (`include_moments` adds the Adam moments). `dtype` casts floating tensors (`bf16`, `fp32`).
     Returns the index written.
     """
-    manifest = _core.Manifest.open(str(ckpt))
+    manifest = _core.Manifest.open(checkpoint_location(ckpt))
     want = _resolve_dtype(dtype)
     spec: MappingSpec | None = None
     if format == "safetensors" and mapping is None:
@@ -224,7 +231,7 @@ def export_checkpoint(
         planned.append((e.hf_name, od, e.shape))
     meta = {
         "olmo_chunks": {
-            "source": str(Path(ckpt).resolve()),
+            "source": _source_name(ckpt),
             "save_id": manifest.save_id,
             "mapping": spec.name if spec else "identity",
             "mapping_sha256": spec.sha256 if spec else None,
@@ -359,15 +366,15 @@ def import_hf(
         if native_dtype.setdefault(e.native_name, d) != d:
             raise ConversionError([f"{e.native_name}: built from HF tensors of different dtypes"])
         e.source.dtype = d
-    path = local_path(ckpt)
-    txn = _core.SaveTransaction.begin(str(path), overwrite)
+    path = checkpoint_location(ckpt)
+    txn = _core.SaveTransaction.begin(path, overwrite)
     try:
         return _import_into(txn, path, src, plan, spec, native_dtype, config, memory_budget, workers, zstd)
     finally:
         txn.abort()  # a no-op after the commit
 
 
-def _import_into(txn: _core.SaveTransaction, path: Path, src: SafetensorsDir | TensorDictSource, plan: TensorPlan,
+def _import_into(txn: _core.SaveTransaction, path: str, src: SafetensorsDir | TensorDictSource, plan: TensorPlan,
                  spec: MappingSpec, native_dtype: dict[str, torch.dtype], config: Mapping[str, Any] | None,
                  memory_budget: int, workers: int | None, zstd: int | None) -> dict[str, Any]:
     written: list[_core.WrittenChunk] = []
@@ -665,7 +672,7 @@ def validate_conversion(
     files = SafetensorsDir(hf_dir, strict=False)
     cfg_path = Path(config) if config is not None else hf_dir / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
-    manifest = _core.Manifest.open(str(native))
+    manifest = _core.Manifest.open(checkpoint_location(native))
     entries = values.entries(manifest)
     index_meta: dict[str, Any] = {}
     if (hf_dir / INDEX_NAME).exists():
@@ -675,7 +682,7 @@ def validate_conversion(
     recorded = index_meta.get("dtype")
     report: dict[str, Any] = {
         "ok": False,
-        "native": str(Path(native).resolve()),
+        "native": _source_name(native),
         "hf": str(hf_dir.resolve()),
         "native_checkpoint": {"save_id": manifest.save_id, "entries_sha256": _sha256_json(entries)},
         "config": {

@@ -201,6 +201,14 @@ pub fn write_chunks_with(
         .zip(&sizes)
         .map(|(rel, &size)| storage.create(rel, size))
         .collect::<Result<Vec<_>>>()?;
+    let mut ends = vec![0u64; rel_paths.len()];
+    for (w, n) in written.iter().zip(&stored) {
+        let f = w.file as usize;
+        files[f]
+            .pad(ends[f], w.offset - ends[f])
+            .map_err(|e| CoreError::io(storage.name(&rel_paths[f]), e))?;
+        ends[f] = w.offset + n;
+    }
     let crcs = Mutex::new(Vec::new());
     run_parallel((0..work.len()).collect(), workers, |u| {
         let (i, s, e) = work[u];

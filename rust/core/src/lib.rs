@@ -1,5 +1,6 @@
 //! olmo-chunks core: the checkpoint format, chunk indexing and intersection, copy planning and
-//! parallel positional I/O. No Python here: it works on byte slices, paths and plans.
+//! parallel positional I/O, on local filesystems and object stores. No Python here: it works on
+//! byte slices, locations and plans.
 
 pub mod codec;
 pub mod coop;
@@ -9,7 +10,9 @@ pub mod fsutil;
 pub mod index;
 pub mod io;
 pub mod load;
+pub mod location;
 pub mod manifest;
+pub mod object;
 pub mod plan;
 pub mod region;
 pub mod save;
@@ -23,9 +26,10 @@ pub use io::{
     write_chunks_with, ByteCopy, WriteItem, Written,
 };
 pub use load::{check_manifest_coverage, plan_copies, plan_runs, Target};
+pub use location::{begin_save, checkpoint_bytes, open_checkpoint, storage_at};
 pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_NAME};
 pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};
 pub use save::{assemble_manifest, SavedChunk, TensorSchema};
 pub use storage::{IoCounters, LocalFs, Object, Storage};
-pub use txn::{SaveOptions, SaveTxn};
+pub use txn::{SaveOptions, SaveTxn, Transaction};

@@ -484,7 +484,8 @@ impl Manifest {
         Self::decode(&Self::get_from(storage)?, &storage.name(MANIFEST_NAME))
     }
 
-    fn get_from(storage: &dyn crate::storage::Storage) -> Result<Vec<u8>> {
+    /// The bytes of the committed manifest at the root of `storage`, not decoded.
+    pub fn get_from(storage: &dyn crate::storage::Storage) -> Result<Vec<u8>> {
         match storage.get(MANIFEST_NAME) {
             Err(CoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
                 Err(CoreError::NotACheckpoint {

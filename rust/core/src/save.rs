@@ -39,7 +39,7 @@ pub struct SavedChunk {
 /// The manifest of save `save_id`: tensors sorted by key, each with its chunks in the order
 /// given, files in order of first use. Fails on a chunk of a tensor the schema lacks, a key listed
 /// twice, or one file given two sizes. Validation of the result is the decoder's (see
-/// `SaveTxn::commit_parts`).
+/// `Transaction::commit_parts`).
 pub fn assemble_manifest(
     save_id: &str,
     block_size: u64,

@@ -1,9 +1,8 @@
 //! Where checkpoints live: the few operations saves and loads need from a storage, so that an
 //! object store is one more implementation rather than a rewrite. `LocalFs` implements them for
-//! local and shared filesystems. Byte counters live at this boundary: every byte read or written
-//! through a storage is counted in its `IoCounters`.
-//!
-//! The save transaction's lease and cleanup (`txn.rs`) are still local-filesystem operations.
+//! local and shared filesystems, `ObjectStorage` (`object.rs`) for S3-compatible and GCS buckets.
+//! Byte counters live at this boundary: every byte read or written through a storage is counted in
+//! its `IoCounters`, and so is every request an object store is sent.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{IoSliceMut, Read};
@@ -22,12 +21,15 @@ use crate::manifest::sync_dir;
 pub struct IoCounters {
     pub read: AtomicU64,
     pub written: AtomicU64,
+    /// Requests sent to an object store (retries of one request not counted; 0 for local files).
+    pub requests: AtomicU64,
 }
 
 /// Bytes moved through every storage of this process.
 pub static PROCESS_IO: IoCounters = IoCounters {
     read: AtomicU64::new(0),
     written: AtomicU64::new(0),
+    requests: AtomicU64::new(0),
 };
 
 impl IoCounters {
@@ -80,6 +82,11 @@ pub trait Object: Send + Sync {
     fn read_exact_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> std::io::Result<()>;
     /// Writes all of `data` at `offset`.
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()>;
+    /// Declares that bytes `offset..offset + len` are never written and stay zero (alignment
+    /// padding), so that an object uploaded in parts knows when a part is complete.
+    fn pad(&self, _offset: u64, _len: u64) -> std::io::Result<()> {
+        Ok(())
+    }
     /// Makes what was written durable.
     fn sync(&self) -> std::io::Result<()>;
 }

@@ -2,7 +2,8 @@
 //! manifest, and cleanup limited to what provably belongs to this store's failed or superseded
 //! saves. The invariant (docs/FORMAT.md, "Saves"): at every moment the directory holds one complete
 //! checkpoint or none, and a save that returned success stays loadable until another save to the
-//! same directory succeeds.
+//! same directory succeeds. Every door drives a save through [`Transaction`]; `object.rs` implements
+//! it for object stores.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -35,13 +36,56 @@ pub struct SaveOptions {
     pub lease_timeout: Duration,
 }
 
+/// A save in progress on some storage, from its lease to its commit or abort: [`SaveTxn`] on a
+/// local filesystem, [`crate::object::ObjectSaveTxn`] on an object store.
+pub trait Transaction: Send {
+    /// The id data files go under (`data/<save_id>/`).
+    fn save_id(&self) -> &str;
+    /// What the checkpoint is called in errors.
+    fn name(&self, rel: &str) -> PathBuf;
+    /// Commits `m` (which must name only this save's data files) atomically, then removes the data
+    /// of the saves it supersedes and releases the lease.
+    fn commit(&mut self, m: &Manifest) -> Result<()>;
+    /// Removes this save's data and releases the lease; the checkpoint that was committed before
+    /// it is untouched.
+    fn abort(&mut self);
+
+    /// Assembles the manifest of this save from its parts, validates it as every reader does and
+    /// commits it (see [`Transaction::commit`]).
+    fn commit_parts(
+        &mut self,
+        block_size: u64,
+        tensors: Vec<TensorSchema>,
+        chunks: Vec<SavedChunk>,
+        entries: Box<RawValue>,
+        info: Box<RawValue>,
+    ) -> Result<Manifest> {
+        let m = assemble_manifest(self.save_id(), block_size, tensors, chunks, entries, info)?;
+        let m = Manifest::decode(&m.encode(), &self.name(MANIFEST_NAME))?;
+        self.commit(&m)?;
+        Ok(m)
+    }
+}
+
+/// Refuses a manifest that names another save or files outside `data/<save_id>/`, or does not
+/// cover its tensors exactly.
+pub(crate) fn check_commit(m: &Manifest, save_id: &str) -> Result<()> {
+    let prefix = format!("{DATA_DIR}/{save_id}/");
+    if m.save_id != save_id || m.files.iter().any(|f| !f.path.starts_with(&prefix)) {
+        return Err(CoreError::InvalidArgument(format!(
+            "the manifest must name save {save_id} and only files under {prefix}"
+        )));
+    }
+    check_manifest_coverage(m)
+}
+
 /// True for the names of save ids: 32 lowercase hex digits.
-fn is_save_id(name: &str) -> bool {
+pub(crate) fn is_save_id(name: &str) -> bool {
     name.len() == 32 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// True for the names of data files a save writes: `<word>-<digits>[-<digits>].bin`.
-fn is_data_file(name: &str) -> bool {
+pub(crate) fn is_data_file(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".bin") else {
         return false;
     };
@@ -110,7 +154,7 @@ fn foreign_entries(dir: &Path, committed: bool) -> Result<Vec<String>> {
 }
 
 /// A fresh save id from the kernel's random source.
-fn new_save_id() -> Result<String> {
+pub(crate) fn new_save_id() -> Result<String> {
     let mut b = [0u8; 16];
     File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut b))
@@ -119,7 +163,7 @@ fn new_save_id() -> Result<String> {
 }
 
 /// Who holds a lease: enough to tell a dead local writer from a live one.
-fn owner_token(save_id: &str) -> String {
+pub(crate) fn owner_token(save_id: &str) -> String {
     let read = |p: &str| fs::read_to_string(p).map(|s| s.trim().to_string());
     let host = read("/proc/sys/kernel/hostname").unwrap_or_default();
     let boot = read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -138,7 +182,7 @@ fn owner_token(save_id: &str) -> String {
 
 /// True if the lease `token` was written by a process of this machine and pid namespace that no
 /// longer exists.
-fn owner_is_dead_here(token: &str) -> bool {
+pub(crate) fn owner_is_dead_here(token: &str) -> bool {
     let (Ok(theirs), Ok(ours)) = (
         serde_json::from_str::<serde_json::Value>(token),
         serde_json::from_str::<serde_json::Value>(&owner_token("")),
@@ -302,22 +346,6 @@ impl SaveTxn {
         format!("{DATA_DIR}/{}", self.save_id)
     }
 
-    /// Assembles the manifest of this save from its parts, validates it as every reader does and
-    /// commits it (see [`SaveTxn::commit`]).
-    pub fn commit_parts(
-        &mut self,
-        block_size: u64,
-        tensors: Vec<TensorSchema>,
-        chunks: Vec<SavedChunk>,
-        entries: Box<RawValue>,
-        info: Box<RawValue>,
-    ) -> Result<Manifest> {
-        let m = assemble_manifest(&self.save_id, block_size, tensors, chunks, entries, info)?;
-        let m = Manifest::decode(&m.encode(), &self.dir.join(MANIFEST_NAME))?;
-        self.commit(&m)?;
-        Ok(m)
-    }
-
     /// Commits `m` (which must name only this save's data files) atomically, then removes the data
     /// of the saves it supersedes and releases the lease.
     pub fn commit(&mut self, m: &Manifest) -> Result<()> {
@@ -326,14 +354,7 @@ impl SaveTxn {
                 "this save transaction has already ended".into(),
             ));
         }
-        let prefix = format!("{}/", self.data_prefix());
-        if m.save_id != self.save_id || m.files.iter().any(|f| !f.path.starts_with(&prefix)) {
-            return Err(CoreError::InvalidArgument(format!(
-                "the manifest must name save {} and only files under {prefix}",
-                self.save_id
-            )));
-        }
-        check_manifest_coverage(m)?;
+        check_commit(m, &self.save_id)?;
         self.check_lease()?;
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}", self.save_id));
         let bytes = m.encode();
@@ -390,6 +411,21 @@ impl SaveTxn {
         if read_lease(&lease).is_ok_and(|(t, _)| t == self.token) {
             let _ = fs::remove_file(&lease);
         }
+    }
+}
+
+impl Transaction for SaveTxn {
+    fn save_id(&self) -> &str {
+        &self.save_id
+    }
+    fn name(&self, rel: &str) -> PathBuf {
+        self.dir.join(rel)
+    }
+    fn commit(&mut self, m: &Manifest) -> Result<()> {
+        SaveTxn::commit(self, m)
+    }
+    fn abort(&mut self) {
+        SaveTxn::abort(self)
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use olmo_chunks_core as core;
-use olmo_chunks_core::{CoreError, Manifest, Piece, Region};
+use olmo_chunks_core::{CoreError, Manifest, Piece, Region, Storage};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -21,13 +21,9 @@ fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
                 std::io::ErrorKind::NotFound => "MissingDataFileError",
                 _ => "StorageError",
             };
-            (
-                class,
-                Some((
-                    source.raw_os_error().unwrap_or(0),
-                    path.display().to_string(),
-                )),
-            )
+            // An object store's errors carry no errno: the message alone says what happened.
+            let os = source.raw_os_error();
+            (class, os.map(|errno| (errno, path.display().to_string())))
         }
         CoreError::NotACheckpoint { .. } => ("CheckpointNotFoundError", None),
         CoreError::CorruptManifest { .. } => ("CorruptManifestError", None),
@@ -113,18 +109,24 @@ type PyWriteItem = (String, String, Vec<u64>, Vec<u64>, usize, usize);
 #[pyclass(name = "Manifest", module = "olmo_chunks._core", frozen)]
 struct PyManifest {
     inner: Arc<Manifest>,
-    dir: PathBuf,
+    storage: Arc<dyn Storage>,
+}
+
+/// A location argument: a local path (`str` or `os.PathLike`) or a URL string.
+fn location(path: &std::path::Path) -> String {
+    path.to_string_lossy().into_owned()
 }
 
 #[pymethods]
 impl PyManifest {
-    /// Reads the committed manifest of checkpoint directory `path`.
+    /// Reads the committed manifest of the checkpoint at `path` (a directory or an `s3://` or
+    /// `gs://` URL).
     #[staticmethod]
     fn open(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let m = detach(py, || Manifest::open(&path))?;
+        let (m, storage) = detach(py, || core::open_checkpoint(&location(&path)))?;
         Ok(PyManifest {
             inner: Arc::new(m),
-            dir: path,
+            storage,
         })
     }
 
@@ -132,19 +134,24 @@ impl PyManifest {
     /// `path`.
     #[staticmethod]
     fn from_bytes(py: Python<'_>, path: PathBuf, data: &[u8]) -> PyResult<Self> {
-        let name = path.join(core::MANIFEST_NAME);
         let data = data.to_vec();
-        let m = detach(py, move || Manifest::decode(&data, &name))?;
+        let (m, storage) = detach(py, move || {
+            let storage = core::storage_at(&location(&path))?;
+            Ok((
+                Manifest::decode(&data, &storage.name(core::MANIFEST_NAME))?,
+                storage,
+            ))
+        })?;
         Ok(PyManifest {
             inner: Arc::new(m),
-            dir: path,
+            storage,
         })
     }
 
     /// The committed manifest's bytes, read (with the checks of `open`) but not decoded.
     #[staticmethod]
     fn read_bytes(py: Python<'_>, path: PathBuf) -> PyResult<Py<pyo3::types::PyBytes>> {
-        let bytes = detach(py, || Manifest::read_bytes(&path))?;
+        let (bytes, _) = detach(py, || core::checkpoint_bytes(&location(&path)))?;
         Ok(pyo3::types::PyBytes::new(py, &bytes).unbind())
     }
 
@@ -281,15 +288,19 @@ impl PyManifest {
         workers: Option<usize>,
         progress: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let (m, dir, workers) = (self.inner.clone(), self.dir.clone(), worker_count(workers));
+        let (m, storage, workers) = (
+            self.inner.clone(),
+            self.storage.clone(),
+            worker_count(workers),
+        );
         let Some(progress) = progress else {
-            return detach(py, move || core::verify_all(&dir, &m, workers, None));
+            return detach(py, move || core::verify_from(&*storage, &m, workers, None));
         };
         let done = AtomicU64::new(0);
         let caller = std::thread::current();
         let (verified, failed) = std::thread::scope(|s| {
             let job = s.spawn(|| {
-                let r = core::verify_all(&dir, &m, workers, Some(&done));
+                let r = core::verify_from(&*storage, &m, workers, Some(&done));
                 caller.unpark();
                 r
             });
@@ -356,13 +367,13 @@ impl PyManifest {
         verify: bool,
         workers: Option<usize>,
     ) -> PyResult<()> {
-        let (m, dir) = (self.inner.clone(), self.dir.clone());
+        let (m, storage) = (self.inner.clone(), self.storage.clone());
         let lens: Vec<usize> = buffers.iter().map(|b| b.1).collect();
         let ts = to_targets(targets, &lens).map_err(|e| to_pyerr(py, e))?;
         detach(py, move || {
             let copies = core::plan_copies(&m, &ts)?;
-            core::read_into(
-                &dir,
+            core::read_from(
+                &*storage,
                 &m,
                 copies,
                 as_slices(&buffers)?,
@@ -401,7 +412,7 @@ fn to_targets(
 #[pyclass(name = "ReadOnce", module = "olmo_chunks._core")]
 struct PyReadOnce {
     m: Arc<Manifest>,
-    dir: PathBuf,
+    storage: Arc<dyn Storage>,
     copies: Vec<core::ByteCopy>,
     buffers: usize,
     plan: core::coop::ReadPlan,
@@ -436,7 +447,7 @@ impl PyReadOnce {
         let copies = detach(py, move || core::plan_copies(&mm, &ts))?;
         Ok(PyReadOnce {
             m,
-            dir: manifest.dir.clone(),
+            storage: manifest.storage.clone(),
             copies,
             buffers: buffer_lens.len(),
             plan: Default::default(),
@@ -506,12 +517,11 @@ impl PyReadOnce {
         workers: Option<usize>,
     ) -> PyResult<()> {
         let round = self.round(py, k)?;
-        let (m, dir) = (&self.m, &self.dir);
+        let (m, storage) = (&self.m, &self.storage);
         detach(py, move || {
             let mut bufs = as_slices(&[read, send])?.into_iter();
             let (r, s) = (bufs.next().unwrap(), bufs.next().unwrap());
-            let storage = core::LocalFs::new(dir);
-            core::coop::read_round(&storage, m, round, r, s, verify, worker_count(workers))
+            core::coop::read_round(&**storage, m, round, r, s, verify, worker_count(workers))
         })
     }
     /// Copies round `k`'s part of the load from the bytes read (`read`) and received (`recv`)
@@ -970,9 +980,9 @@ impl PyWrittenChunk {
     }
 }
 
-/// Writes one fresh data file `rel_path` under `dir` holding `items` (`(key, kind, a, b,
-/// address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory), each
-/// compressed with zstd at `zstd_level` when given, fsyncs it and its directories, and returns a
+/// Writes one fresh data file `rel_path` under `dir` (a directory or URL) holding `items` (`(key,
+/// kind, a, b, address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory),
+/// each compressed with zstd at `zstd_level` when given, makes it durable, and returns a
 /// `WrittenChunk` per item.
 #[pyfunction]
 #[pyo3(signature = (dir, rel_path, items, block_size, workers=None, zstd_level=None))]
@@ -1002,9 +1012,15 @@ fn write_chunks(
             .iter()
             .map(|&data| core::WriteItem { file: 0, data })
             .collect();
-        let storage = core::LocalFs::new(&dir);
-        let workers = worker_count(workers);
-        core::write_chunks_with(&storage, &rel, &items, block_size, workers, zstd_level)
+        let storage = core::storage_at(&location(&dir))?;
+        core::write_chunks_with(
+            &*storage,
+            &rel,
+            &items,
+            block_size,
+            worker_count(workers),
+            zstd_level,
+        )
     })?;
     let file = &files[0];
     Ok(items
@@ -1034,14 +1050,15 @@ fn write_chunks(
 /// directory's lease, hands out the save id data files go under, then commits or aborts.
 #[pyclass(name = "SaveTransaction", module = "olmo_chunks._core", frozen)]
 struct PySaveTransaction {
-    inner: std::sync::Mutex<core::SaveTxn>,
-    dir: PathBuf,
+    inner: std::sync::Mutex<Box<dyn core::Transaction>>,
+    location: String,
     save_id: String,
 }
 
 #[pymethods]
 impl PySaveTransaction {
-    /// Takes the lease of checkpoint directory `path` (created if missing) for a new save.
+    /// Takes the lease of the checkpoint at `path` (a directory, created if missing, or a URL)
+    /// for a new save.
     #[staticmethod]
     #[pyo3(signature = (path, overwrite=false, lease_timeout=45.0))]
     fn begin(py: Python<'_>, path: PathBuf, overwrite: bool, lease_timeout: f64) -> PyResult<Self> {
@@ -1056,11 +1073,12 @@ impl PySaveTransaction {
             overwrite,
             lease_timeout,
         };
-        let txn = detach(py, || core::SaveTxn::begin(&path, opts))?;
+        let location = location(&path);
+        let txn = detach(py, || core::begin_save(&location, opts))?;
         Ok(PySaveTransaction {
             save_id: txn.save_id().to_string(),
             inner: std::sync::Mutex::new(txn),
-            dir: path,
+            location,
         })
     }
 
@@ -1100,15 +1118,17 @@ impl PySaveTransaction {
             .map(|c| c.to_core())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_pyerr(py, e))?;
-        let m = detach(py, || {
-            self.inner
+        let (m, storage) = detach(py, || {
+            let m = self
+                .inner
                 .lock()
                 .unwrap()
-                .commit_parts(block_size, tensors, chunks, entries, info)
+                .commit_parts(block_size, tensors, chunks, entries, info)?;
+            Ok((m, core::storage_at(&self.location)?))
         })?;
         Ok(PyManifest {
             inner: Arc::new(m),
-            dir: self.dir.clone(),
+            storage,
         })
     }
 
@@ -1123,6 +1143,15 @@ fn codec_name(c: core::Codec) -> &'static str {
         core::Codec::Raw => "raw",
         core::Codec::Zstd { .. } => "zstd",
     }
+}
+
+/// What this process moved to and from the bucket of URL `url`: `(bytes_read, bytes_written,
+/// requests)` (requests sent, retries of one not counted).
+#[pyfunction]
+fn object_store_counters(py: Python<'_>, url: &str) -> PyResult<(u64, u64, u64)> {
+    let c = core::object::bucket_counters(url).map_err(|e| to_pyerr(py, e))?;
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    Ok((get(&c.read), get(&c.written), get(&c.requests)))
 }
 
 #[pymodule]
@@ -1143,6 +1172,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(pace_read, m)?)?;
+    m.add_function(wrap_pyfunction!(object_store_counters, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;

@@ -1,0 +1,43 @@
+"""Where a checkpoint lives: a local directory, or a prefix of an object store named by a URL
+(`s3://bucket/prefix` on S3 and S3-compatible servers, `gs://bucket/prefix` on Google Cloud
+Storage). The core reads and writes both; Python code passes the location string through and never
+treats a URL as a filesystem path. Object-store credentials and endpoint come from the standard
+variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+`AWS_ALLOW_HTTP=true`; `GOOGLE_*`)."""
+
+from __future__ import annotations
+
+import os
+
+from .errors import InvalidArgumentError
+
+__all__ = ["URL_SCHEMES", "checkpoint_location", "is_url"]
+
+URL_SCHEMES = ("s3", "s3a", "gs")
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True if `location` is a URL (`scheme://...`) rather than a local path."""
+    return isinstance(location, str) and "://" in location
+
+
+def checkpoint_location(path: str | os.PathLike[str]) -> str:
+    """`path` as the location string the core takes: an object-store URL of a supported scheme
+    (without a trailing `/`), or a local path."""
+    try:
+        s = os.fspath(path)
+    except TypeError:
+        s = None
+    if not isinstance(s, str) or not s:
+        raise InvalidArgumentError(f"a checkpoint path must be a non-empty str or os.PathLike, not {path!r}")
+    if not is_url(s):
+        return s
+    scheme, rest = s.split("://", 1)
+    if scheme not in URL_SCHEMES:
+        raise InvalidArgumentError(
+            f"{s}: unsupported URL scheme {scheme!r} (supported: "
+            + ", ".join(f"{x}://bucket/prefix" for x in URL_SCHEMES) + ", or a local path)"
+        )
+    if not rest.split("/", 1)[0]:
+        raise InvalidArgumentError(f"{s}: no bucket name")
+    return s.rstrip("/")

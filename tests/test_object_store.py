@@ -1,0 +1,274 @@
+"""Checkpoints in an object store: `s3://bucket/prefix` through both doors and the CLI, against a
+real S3-compatible server process (moto, started by the `s3` session fixture) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import olmo_chunks
+import pytest
+import torch
+from olmo_chunks import _core
+from olmo_chunks.errors import (
+    CheckpointExistsError,
+    CheckpointLockedError,
+    ChecksumError,
+    InvalidArgumentError,
+    OlmoChunksError,
+)
+
+from tests import world
+from tests.s3server import Relay, free_port, in_env
+from tests.test_dcp import dcp_save_worker, load_both_doors_worker, native_save_worker
+
+
+@pytest.fixture
+def bucket(s3, monkeypatch):
+    """A fresh bucket, with this process's client pointed at the server."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    return s3.bucket()
+
+
+def test_native_save_on_4_ranks_loads_on_3_through_both_doors(s3, bucket):
+    url = f"s3://{bucket}/run/step1"
+    world.run(4, in_env, s3.env(), native_save_worker, url)
+    m = _core.Manifest.open(url)
+    assert s3.keys(bucket) == sorted(
+        ["run/step1/olmo_chunks.manifest"] + [f"run/step1/{f.path}" for f in m.files]
+    )  # the lease is released and nothing else is left
+    assert len(m.files) == 4
+    for result in world.run(3, in_env, s3.env(), load_both_doors_worker, url):
+        assert result == {"native": [], "dcp-default": [], "dcp-fast": []}
+
+
+def test_dcp_save_on_4_ranks_loads_on_3_through_both_doors(s3, bucket):
+    url = f"s3://{bucket}/dcp"
+    world.run(4, in_env, s3.env(), dcp_save_worker, url)
+    _core.Manifest.open(url).check_coverage()
+    for result in world.run(3, in_env, s3.env(), load_both_doors_worker, url):
+        assert result == {"native": [], "dcp-default": [], "dcp-fast": []}
+
+
+def _state(seed: int, n: int = 5_000_000) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.randn(3, 7, generator=g), "step": seed}
+
+
+def test_multipart_objects_round_trip_bit_exact_and_count_their_requests(s3, bucket):
+    url = f"s3://{bucket}/big"
+    sd = _state(1)  # one 20 MB data object: three parts of at most 8 MiB
+    before = _core.object_store_counters(url)
+    olmo_chunks.save(sd, url)
+    after = _core.object_store_counters(url)
+    m = _core.Manifest.open(url)
+    (obj,) = [k for k in s3.keys(bucket) if k.endswith(".bin")]
+    assert s3.client().head_object(Bucket=bucket, Key=obj)["ContentLength"] == m.files[0].size
+    assert after[1] - before[1] >= m.files[0].size
+    # lease PUT, manifest HEAD, LIST; data HEAD (must not exist), multipart create, 3 parts,
+    # complete; lease GET, manifest PUT; LIST of superseded data; lease GET and DELETE
+    assert after[2] - before[2] == 14
+    back = {"w": torch.zeros(5_000_000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["step"] == 1
+
+
+def test_async_save_to_a_url(s3, bucket):
+    url = f"s3://{bucket}/async"
+    olmo_chunks.async_save(_state(5, 100_000), url, pool_bytes=64 << 10).result()  # staged in batches
+    back = {"w": torch.zeros(100_000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    want = _state(5, 100_000)
+    assert torch.equal(back["w"], want["w"]) and torch.equal(back["b"], want["b"]) and back["step"] == 5
+
+
+def test_overwrite_commits_the_new_save_and_removes_the_old_data(s3, bucket):
+    url = f"s3://{bucket}/ow"
+    olmo_chunks.save(_state(1, 1000), url)
+    first = _core.Manifest.open(url).save_id
+    with pytest.raises(CheckpointExistsError):
+        olmo_chunks.save(_state(2, 1000), url)
+    olmo_chunks.save(_state(2, 1000), url, overwrite=True)
+    m = _core.Manifest.open(url)
+    assert m.save_id != first
+    assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"ow/{f.path}" for f in m.files)
+    back = {"w": torch.zeros(1000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    assert torch.equal(back["w"], _state(2, 1000)["w"])
+
+
+def test_a_corrupted_object_fails_its_checksum(s3, bucket):
+    url = f"s3://{bucket}/c"
+    olmo_chunks.save(_state(3, 1000), url)
+    (key,) = [k for k in s3.keys(bucket) if k.endswith(".bin")]
+    client = s3.client()
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[100] ^= 0x40
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        olmo_chunks.load({"w": torch.zeros(1000), "b": torch.zeros(3, 7), "step": 0}, url)
+    with pytest.raises(ChecksumError):
+        _core.Manifest.open(url).verify_data()
+
+
+def test_a_missing_bucket_is_a_clear_error(s3, bucket):
+    url = f"s3://{bucket}-missing/x"
+    with pytest.raises(InvalidArgumentError, match=r'bucket ".*-missing" does not exist'):
+        olmo_chunks.load({"w": torch.zeros(3)}, url)
+    with pytest.raises(InvalidArgumentError, match=r'bucket ".*-missing" does not exist'):
+        olmo_chunks.save({"w": torch.zeros(3)}, url)
+
+
+def test_cli_inspects_and_verifies_a_url(s3, bucket):
+    url = f"s3://{bucket}/cli"
+    olmo_chunks.save(_state(4, 1000), url)
+    env = {**os.environ, **s3.env()}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "olmo_chunks", *args], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    r = cli("inspect", "--json", url)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert (s["path"], s["total_bytes"]) == (url, 4 * (1000 + 21))
+    r = cli("verify", url)
+    assert r.returncode == 0 and r.stdout.startswith(f"OK {url}: 2 tensors"), r.stderr
+    r = cli("verify", f"s3://{bucket}/nothing-here")
+    assert r.returncode == 1 and "not an olmo-chunks checkpoint" in r.stderr
+
+
+def test_cli_import_hf_export_and_validate_through_a_url(s3, bucket, tmp_path):
+    from olmo_chunks.cli import main
+
+    from tests.test_export import hf_config, olmoe_hf_oracle, olmoe_native, read_hf, write_hf
+
+    want = olmoe_hf_oracle(olmoe_native(seed=3))
+    write_hf(tmp_path / "hf", want, hf_config())
+    url = f"s3://{bucket}/from-hf"
+    assert main(["import-hf", str(tmp_path / "hf"), url]) == 0
+    assert main(["export", url, str(tmp_path / "out")]) == 0
+    got = read_hf(tmp_path / "out")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    report = tmp_path / "report.json"
+    assert main(["validate-conversion", "--native", url, "--hf", str(tmp_path / "out"), "--report", str(report)]) == 0
+    assert json.loads(report.read_text())["native"] == url
+
+
+def test_cli_import_dcp_into_a_url(s3, bucket, tmp_path):
+    from olmo_chunks.cli import main
+
+    from tests.test_dcp import fs_save_worker, native_load_worker
+
+    src, url = str(tmp_path / "dcp"), f"s3://{bucket}/imported"
+    world.run(2, fs_save_worker, src)
+    assert main(["import-dcp", src, url]) == 0
+    assert world.run(3, in_env, s3.env(), native_load_worker, url) == [[], [], []]
+
+
+def save_and_report(url: str, seed: int) -> str:
+    """Saves (with a short lease), returning the error it raised, by class, or "ok"."""
+    try:
+        olmo_chunks.save(_state(seed, 1_000_000), url, overwrite=True, peer_timeout=3.0)
+    except OlmoChunksError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def load_state(url: str, seed: int) -> bool:
+    back = {"w": torch.zeros(1_000_000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    want = _state(seed, 1_000_000)
+    return torch.equal(back["w"], want["w"]) and back["step"] == seed
+
+
+def test_a_server_killed_mid_save_fails_every_rank_and_keeps_the_previous_checkpoint(s3, bucket):
+    url = f"s3://{bucket}/k"
+    port = free_port()
+    env = s3.env(port, OLMO_CHUNKS_RETRY_TIMEOUT="2")
+    relay = Relay(port, s3.port)
+    try:
+        assert world.run(2, in_env, env, save_and_report, url, 10) == ["ok", "ok"]
+    finally:
+        relay.close()
+    relay = Relay(port, s3.port, die_after=2_000_000)  # dies inside the 8 MB of data uploads
+    try:
+        results = world.run(2, in_env, env, save_and_report, url, 20, timeout=60)
+        assert relay.wait_dead(10) == 17
+    finally:
+        relay.close()
+    assert all(r != "ok" for r in results), results  # every rank raised an olmo-chunks error
+    assert any(r.startswith("StorageError") for r in results), results
+    relay = Relay(port, s3.port)  # the server is back
+    try:
+        assert world.run(2, in_env, env, load_state, url, 10) == [True, True]
+        # The dead save's lease lapses after its timeout (3 s); the next save takes over and cleans up.
+        time.sleep(3.5)
+        assert world.run(2, in_env, env, save_and_report, url, 30) == ["ok", "ok"]
+    finally:
+        relay.close()
+    m = _core.Manifest.open(url)
+    assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"k/{f.path}" for f in m.files)
+
+
+def test_racing_saves_commit_one_checkpoint_and_the_loser_gets_a_clear_error(s3, bucket):
+    url = f"s3://{bucket}/race"
+    barrier = threading.Barrier(2)
+    outcome: dict[int, BaseException | None] = {}
+
+    def save(seed: int) -> None:
+        barrier.wait()
+        try:
+            olmo_chunks.save(_state(seed, 200_000), url)
+            outcome[seed] = None
+        except BaseException as exc:
+            outcome[seed] = exc
+
+    threads = [threading.Thread(target=save, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (winner,) = [s for s, e in outcome.items() if e is None]
+    (error,) = [e for e in outcome.values() if e is not None]
+    assert isinstance(error, (CheckpointLockedError, CheckpointExistsError)), error
+    back = {"w": torch.zeros(200_000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    assert torch.equal(back["w"], _state(winner, 200_000)["w"]) and back["step"] == winner
+
+
+def _commit(txn: _core.SaveTransaction, url: str, value: float) -> _core.Manifest:
+    t = torch.full((10,), value)
+    written = _core.write_chunks(url, f"data/{txn.save_id}/rank-00000.bin",
+                                 [("w", "flat", [0], [10], t.data_ptr(), 40)], 4096)
+    return txn.commit(4096, [_core.TensorSchema("w", "float32", [10], "main_weight")], written, "{}", "{}")
+
+
+def test_the_manifest_put_is_conditional_so_a_save_never_replaces_one_it_did_not_see(s3, bucket):
+    url = f"s3://{bucket}/cond"
+    lease = "cond/.olmo_chunks.lease"
+    client = s3.client()
+    a = _core.SaveTransaction.begin(url, False, 60.0)
+    with pytest.raises(CheckpointLockedError, match="another save holds its lease"):
+        _core.SaveTransaction.begin(url, False, 60.0)
+    # A stalls past its lease; B takes the prefix and commits. A then passes its lease check
+    # (its lease is back) just as B's manifest lands: only the conditional PUT stands between.
+    held = client.get_object(Bucket=bucket, Key=lease)["Body"].read()
+    client.delete_object(Bucket=bucket, Key=lease)
+    b = _core.SaveTransaction.begin(url, False, 60.0)
+    _commit(b, url, 2.0)
+    client.put_object(Bucket=bucket, Key=lease, Body=held)
+    with pytest.raises(CheckpointLockedError, match="another save committed a checkpoint here"):
+        _commit(a, url, 1.0)
+    a.abort()
+    m = _core.Manifest.open(url)
+    assert m.save_id == b.save_id
+    assert s3.keys(bucket) == [f"cond/data/{b.save_id}/rank-00000.bin", "cond/olmo_chunks.manifest"]
+    back = {"w": torch.zeros(10)}
+    olmo_chunks.load(back, url)
+    assert torch.equal(back["w"], torch.full((10,), 2.0))
