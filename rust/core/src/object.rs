@@ -480,10 +480,7 @@ impl Object for RemoteReader {
                     head.copy_from_slice(&piece[..n]);
                     cur = tail;
                     piece = &piece[n..];
-                    s.bucket
-                        .counters
-                        .read
-                        .fetch_add(n as u64, Ordering::Relaxed);
+                    s.bucket.counters.add_read(n as u64);
                 }
             }
             Ok::<_, std::io::Error>(())
