@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from .._core import MANIFEST_NAME
 from .._dist import DEFAULT_PEER_TIMEOUT
 from ..dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner
+from ..dcp.values import _SAFE_GLOBALS
 from ..errors import InvalidArgumentError
 
 __all__ = ["OlmoChunksCheckpointer", "OlmoChunksCheckpointerConfig"]
@@ -149,7 +150,9 @@ class OlmoChunksCheckpointer(Checkpointer):
             # this rank's state, else rank 0's (the world size changed), as OLMo-core does
             for path in (f"{dir}/train/rank{get_rank()}.pt", f"{dir}/train/rank0.pt"):
                 if file_exists(path):
-                    trainer_state = torch.load(cached_path(path, quiet=True), weights_only=False)
+                    # data only (numbers, containers, tensors, numpy RNG arrays): never code
+                    with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                        trainer_state = torch.load(cached_path(path, quiet=True), weights_only=True)
                     break
             if load_trainer_state is True and trainer_state is None:
                 raise FileNotFoundError(f"Missing trainer state in checkpoint dir '{dir}'")

@@ -15,9 +15,8 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures_util::{StreamExt, TryStreamExt};
@@ -34,7 +33,7 @@ use crate::manifest::{Manifest, MANIFEST_NAME};
 use crate::storage::{IoCounters, Object, Storage};
 use crate::txn::{
     check_commit, is_data_file, is_save_id, new_save_id, owner_is_dead_here, owner_token,
-    SaveOptions, Transaction, DATA_DIR, LEASE_NAME,
+    Heartbeat, SaveOptions, Transaction, DATA_DIR, LEASE_NAME,
 };
 
 /// Parts of a multipart upload are this large (the last one smaller), or larger where a file
@@ -639,59 +638,21 @@ impl Drop for RemoteWriter {
     }
 }
 
-/// Keeps the lease object fresh (a conditional PUT over the version last written) until stopped;
-/// notes if the lease stops being ours.
-struct Heartbeat {
-    stop: Arc<(Mutex<bool>, Condvar)>,
-    lost: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Heartbeat {
-    fn start(
-        storage: ObjectStorage,
-        token: String,
-        mut version: UpdateVersion,
-        every: Duration,
-    ) -> Self {
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let lost = Arc::new(AtomicBool::new(false));
-        let (s, l) = (stop.clone(), lost.clone());
-        let thread = std::thread::Builder::new()
-            .name("olmo-chunks-lease".into())
-            .spawn(move || loop {
-                let (lock, cv) = &*s;
-                let guard = lock.lock().unwrap();
-                let (guard, _) = cv.wait_timeout_while(guard, every, |stop| !*stop).unwrap();
-                if *guard {
-                    return;
-                }
-                drop(guard);
-                let mode = PutMode::Update(version.clone());
-                match storage.put(LEASE_NAME, token.clone().into_bytes(), mode) {
-                    Ok(v) => version = v,
-                    Err(CoreError::Io { source, .. })
-                        if source.kind() == std::io::ErrorKind::AlreadyExists
-                            || source.kind() == std::io::ErrorKind::NotFound =>
-                    {
-                        l.store(true, Ordering::Relaxed);
-                        return;
-                    }
-                    Err(_) => {} // unreachable for now: tried again next beat
-                }
-            })
-            .ok();
-        Heartbeat { stop, lost, thread }
-    }
-
-    fn stop(&mut self) {
-        let (lock, cv) = &*self.stop;
-        *lock.lock().unwrap() = true;
-        cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+/// Renews the lease object holding `token` with a conditional PUT over the version last written;
+/// false once another writer replaced or removed it.
+fn renew_lease_object(storage: &ObjectStorage, token: &str, version: &mut UpdateVersion) -> bool {
+    let mode = PutMode::Update(version.clone());
+    match storage.put(LEASE_NAME, token.as_bytes().to_vec(), mode) {
+        Ok(v) => *version = v,
+        Err(CoreError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::AlreadyExists
+                || source.kind() == std::io::ErrorKind::NotFound =>
+        {
+            return false;
         }
+        Err(_) => {} // tried again next beat
     }
+    true
 }
 
 /// One save into a prefix of an object store, from the lease to the commit (or the abort).
@@ -717,7 +678,12 @@ impl ObjectSaveTxn {
         let version = acquire(&storage, &token, opts.lease_timeout)?;
         let every = (opts.lease_timeout / 4).max(Duration::from_millis(100));
         let mut txn = ObjectSaveTxn {
-            heartbeat: Heartbeat::start(storage.clone(), token.clone(), version, every),
+            heartbeat: {
+                let (storage, token, mut version) = (storage.clone(), token.clone(), version);
+                Heartbeat::start(every, move || {
+                    renew_lease_object(&storage, &token, &mut version)
+                })
+            },
             storage,
             save_id,
             token,

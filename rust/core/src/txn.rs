@@ -207,15 +207,17 @@ fn read_lease(path: &Path) -> std::io::Result<(String, fs::Metadata)> {
     Ok((s, md))
 }
 
-/// Keeps the lease's modification time fresh until stopped; notes if the lease stops being ours.
-struct Heartbeat {
+/// Renews a lease from a thread every `every` until stopped; `lost` once a renewal finds that the
+/// lease is no longer ours (the thread then stops renewing).
+pub(crate) struct Heartbeat {
     stop: Arc<(Mutex<bool>, Condvar)>,
-    lost: Arc<AtomicBool>,
+    pub(crate) lost: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Heartbeat {
-    fn start(path: PathBuf, token: String, every: Duration) -> Self {
+    /// `renew` renews the lease and returns whether it is still ours.
+    pub(crate) fn start(every: Duration, mut renew: impl FnMut() -> bool + Send + 'static) -> Self {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let lost = Arc::new(AtomicBool::new(false));
         let (s, l) = (stop.clone(), lost.clone());
@@ -229,23 +231,16 @@ impl Heartbeat {
                     return;
                 }
                 drop(guard);
-                let ours = read_lease(&path).is_ok_and(|(t, _)| t == token);
-                let touched = ours
-                    && File::options()
-                        .read(true)
-                        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-                        .open(&path)
-                        .and_then(|f| f.set_modified(SystemTime::now()))
-                        .is_ok();
-                if !touched {
+                if !renew() {
                     l.store(true, Ordering::Relaxed);
+                    return;
                 }
             })
             .ok();
         Heartbeat { stop, lost, thread }
     }
 
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         let (lock, cv) = &*self.stop;
         *lock.lock().unwrap() = true;
         cv.notify_all();
@@ -253,6 +248,17 @@ impl Heartbeat {
             let _ = t.join();
         }
     }
+}
+
+/// Renews the lease file at `path` (its modification time) while it holds `token`.
+fn renew_lease_file(path: &Path, token: &str) -> bool {
+    read_lease(path).is_ok_and(|(t, _)| t == token)
+        && File::options()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(path)
+            .and_then(|f| f.set_modified(SystemTime::now()))
+            .is_ok()
 }
 
 /// One save into a checkpoint directory, from the lease to the commit (or the abort).
@@ -291,7 +297,7 @@ impl SaveTxn {
             dir: dir.to_path_buf(),
             save_id,
             token: token.clone(),
-            heartbeat: Heartbeat::start(lease, token, every),
+            heartbeat: Heartbeat::start(every, move || renew_lease_file(&lease, &token)),
             finished: false,
         };
         txn.prepare(opts.overwrite)?;
