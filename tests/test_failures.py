@@ -11,7 +11,6 @@ import os
 import pickle
 import signal
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,7 @@ def full_state(rank: int, ranks: int, version: int) -> dict[str, Any]:
 
 def _rank_main(rank: int, size: int, rendezvous: str, conn: mpc.Connection, fn: Any, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
     try:
         out = ("ok", fn(rank, *args), time.time())
     except BaseException as exc:
@@ -84,12 +83,12 @@ def run_raw(size: int, fn: Any, *args: Any, timeout: float = 120) -> list[tuple[
     """Runs `fn(rank, *args)` on a fresh gloo world; per rank `(status, result or error, end
     time)`, or None for a rank that died. Ranks still running at `timeout` count as hung."""
     ctx = world._context()
-    tmp = tempfile.mkdtemp()
+    rendezvous = f"tcp://127.0.0.1:{world.free_port()}"
     pipes, procs = [], []
     with world._single_threaded_children():
         for r in range(size):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(r, size, f"{tmp}/rdv", child, fn, args), daemon=True)
+            p = ctx.Process(target=_rank_main, args=(r, size, rendezvous, child, fn, args), daemon=True)
             p.start()
             child.close()
             pipes.append(parent)

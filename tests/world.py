@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["RankFailure", "WorldError", "mesh", "run", "shutdown"]
+__all__ = ["RankFailure", "WorldError", "free_port", "mesh", "run", "shutdown"]
 
 # Spawning a world imports torch once per rank; on a small machine that takes a while.
 STARTUP_TIMEOUT = 300.0
@@ -116,7 +117,7 @@ class _World:
         self.size = size
         self.owner = os.getpid()
         self.tmpdir = tempfile.mkdtemp(prefix=f"olmo-chunks-world{size}-")
-        rendezvous = os.path.join(self.tmpdir, "rendezvous")
+        rendezvous = f"tcp://127.0.0.1:{free_port()}"
         ctx = _context()
         self.conns: list[mpc.Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
@@ -224,6 +225,14 @@ class _World:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a world's rendezvous store (a TCPStore, as torchrun
+    jobs have)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _context() -> mp.context.BaseContext:
     """Workers fork from a server that has imported torch once (it is single-threaded then), which
     saves each worker the seconds of importing torch itself; fresh interpreters where there is no
@@ -264,7 +273,7 @@ def _worker_main(rank: int, size: int, rendezvous: str, conn: mpc.Connection) ->
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
     except BaseException as e:
         conn.send_bytes(pickle.dumps(("err", _failure(rank, e))))
         return

@@ -1,38 +1,57 @@
 """How the ranks of a save or load agree, and the rule that a failure on one rank fails all of them
 in bounded time.
 
-Ranks exchange their small messages through the process group's rendezvous store, not through
-collectives of the group: a rank that dies can then never leave another blocked in a collective.
-Every process bumps a heartbeat counter in the store from a daemon thread. The root (rank 0 of the
-group) watches each rank it waits for, the other ranks watch the root, and a peer whose counter has
-not moved for `peer_timeout` seconds counts as dead: every survivor raises `RankFailedError`
-naming it. A rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the
-root, which tells everyone.
+A step (`Group.exchange`) moves small messages through the job's rendezvous store with O(1)
+requests per rank: every rank appends its message to one key and bumps one counter, the last to
+arrive wakes the root (rank 0 of the group) with one key, the root reads every message with one
+request and publishes the outcome under one key that each rank reads. Bulk data (the read-once
+needs and plans, the manifest) moves by the group's collectives, each one bounded: it is waited on
+while watching the peers' liveness and abort notes (`Group.wait_work`).
+
+Liveness: every process bumps a heartbeat counter in the store from a native thread of the core
+(`_core.Heartbeat`: it beats while Python holds the GIL), started when the package is first used in
+a process group. A rank that has never beaten is "not arrived yet" and is waited for up to the
+arrival timeout (the process group's timeout, as a collective would); one that beat and went silent
+for `peer_timeout` seconds is dead. Either way every survivor raises `RankFailedError` naming it. A
+rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the root, which
+tells everyone. The root hosts the store: it leaves an operation only once every peer has read the
+last outcome (`Group.close`), so a script that exits right after a save never turns a committed save
+into an error on the others.
+
+Cost per step at N ranks: each peer 3 store calls (append, add, wait+get), the root O(1) calls
+moving O(N) bytes; see benches/coord_scale.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
+import os
 import pickle
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import _core
 from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
 
 __all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives"]
 
-# Seconds without a heartbeat after which a peer counts as dead.
+# Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
 # Longest a waiting rank blocks in the store before it looks at its peers' heartbeats.
 _POLL = 0.5
+_HB = "olmo_chunks/hb/"
+_STARTED = "olmo_chunks/started"
+# What a group's state says after a peer failed inside one of its collectives.
+BROKEN_GROUP = ("the process group is unusable now (a collective is still pending on it): destroy it and create "
+                "a new one, or restart the job")
 
 
 def _describe(exc: BaseException) -> str:
@@ -57,43 +76,209 @@ def _loads(data: bytes) -> Any:
     return _MessageUnpickler(io.BytesIO(data)).load()
 
 
-class _Heartbeat:
-    """One daemon thread per process that bumps `olmo_chunks/hb/<global rank>` in the store."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.interval = 2.0
-        self.thread: threading.Thread | None = None
-        self.stop = threading.Event()
-
-    def ensure(self, store: Any, rank: int, interval: float) -> None:
-        with self.lock:
-            self.interval = min(self.interval, max(interval, 0.05))
-            if self.thread is not None and self.thread.is_alive():
-                return
-            key = f"olmo_chunks/hb/{rank}"
-            store.add(key, 1)
-
-            def beat() -> None:
-                while not self.stop.wait(self.interval):
-                    try:
-                        store.add(key, 1)
-                    except Exception:  # the store is gone: the job is ending
-                        return
-
-            self.thread = threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True)
-            self.thread.start()
+def _frames(data: bytes) -> dict[int, tuple[str, Any]]:
+    """The `(rank, status, payload)` messages appended to one key, by rank."""
+    out: dict[int, tuple[str, Any]] = {}
+    i = 0
+    while i + 8 <= len(data):
+        (n,) = struct.unpack_from("<Q", data, i)
+        rank, status, payload = _loads(data[i + 8:i + 8 + n])
+        out[rank] = (status, payload)
+        i += 8 + n
+    return out
 
 
-_heartbeat = _Heartbeat()
-atexit.register(_heartbeat.stop.set)
+# -- the store ----------------------------------------------------------------------------------
+
+
+class _TorchStore:
+    """A torch Store (FileStore, HashStore: stores the core's client does not speak) with the
+    calls of `_core.StoreClient`."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def set_many(self, keys: list[str], values: list[bytes]) -> None:
+        for k, v in zip(keys, values, strict=True):
+            self.store.set(k, v)
+
+    def append(self, key: str, value: bytes) -> None:
+        self.store.append(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.store.get(key))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [bytes(self.store.get(k)) for k in keys]
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self.store.add(key, delta))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.store.check(keys))
+
+    def delete(self, keys: list[str]) -> int:
+        return sum(bool(self.store.delete_key(k)) for k in keys)
+
+    def wait(self, keys: list[str], timeout: float) -> bool:
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except Exception as exc:
+            if "timeout" in str(exc).lower():
+                return False
+            raise
+        return True
+
+
+class _PyHeartbeat:
+    """The heartbeat of a process whose store the core's client does not speak: a daemon thread
+    (it stalls while one C call holds the GIL, so peer_timeout must cover such calls there)."""
+
+    def __init__(self, store: _TorchStore, key: str, interval: float) -> None:
+        self.interval = interval
+        self.stopped = threading.Event()
+        store.add(key, 1)
+
+        def beat() -> None:
+            while not self.stopped.wait(self.interval):
+                try:
+                    store.add(key, 1)
+                except Exception:  # the store is gone: the job is ending
+                    return
+
+        threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True).start()
+
+    def set_interval(self, interval: float) -> None:
+        self.interval = interval
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _tcp_store(store: Any) -> Any:
+    """The TCPStore under `store`'s prefix wrappers, or None."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+class _Link:
+    """This process's tie to the job's rendezvous store: one client connection per thread that
+    coordinates (each call bounded by `timeout`), and the heartbeat of its global rank."""
+
+    def __init__(self, store: Any, rank: int, interval: float, timeout: float) -> None:
+        self.pid = os.getpid()
+        self.timeout = timeout
+        self.local = threading.local()
+        tcp = _tcp_store(store)
+        self.address = (tcp.host, tcp.port) if tcp is not None else None
+        self.fallback = _TorchStore(store) if tcp is None else None
+        key = f"{_HB}{rank}"
+        if self.address is not None:
+            self.heartbeat: Any = _core.Heartbeat(self.address[0], self.address[1], key, interval)
+        else:
+            assert self.fallback is not None
+            self.heartbeat = _PyHeartbeat(self.fallback, key, interval)
+        self.interval = interval
+        # Peers tell a rank that has not started yet (waited for up to the arrival timeout) from
+        # one that went silent (dead after peer_timeout) by this list.
+        self.client().append(_STARTED, struct.pack("<I", rank))
+
+    def client(self) -> Any:
+        if self.fallback is not None:
+            return self.fallback
+        c = getattr(self.local, "client", None)
+        if c is None:
+            assert self.address is not None
+            c = self.local.client = _core.StoreClient(self.address[0], self.address[1], self.timeout)
+        return c
+
+    def beat_every(self, interval: float) -> None:
+        if interval < self.interval:
+            self.interval = interval
+            self.heartbeat.set_interval(interval)
+
+
+_link: _Link | None = None
+_link_lock = threading.Lock()
 _calls: dict[str, int] = {}
 _calls_lock = threading.Lock()
 
 
+def _process_link(peer_timeout: float) -> _Link:
+    """This process's link, made on first use (and again in a forked child)."""
+    global _link
+    with _link_lock:
+        if _link is None or _link.pid != os.getpid():
+            store = dist.distributed_c10d._get_default_store()
+            _link = _Link(store, dist.get_rank(), min(2.0, max(peer_timeout / 4, 0.05)), peer_timeout)
+        _link.beat_every(min(2.0, max(peer_timeout / 4, 0.05)))
+        return _link
+
+
+def _arrival_timeout(process_group: dist.ProcessGroup | None) -> float:
+    env = os.environ.get("OLMO_CHUNKS_ARRIVAL_TIMEOUT")
+    if env:
+        return float(env)
+    try:
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend(process_group)).total_seconds()
+    except Exception:
+        return 1800.0
+
+
+# -- liveness -----------------------------------------------------------------------------------
+
+
+class _Watch:
+    """Judges the liveness of the ranks a waiting rank waits for, from their heartbeats."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.t0 = time.monotonic()
+        self.last: dict[int, tuple[bytes, float]] = {}
+        self.started: set[int] = set()
+
+    def check(self, ranks: Sequence[int], what: str = "this step") -> None:
+        """Raises `RankFailedError` for the first of `ranks` (group ranks) that went silent for
+        peer_timeout, or that has not started within the arrival timeout."""
+        g = self.group
+        store = g.store
+        want = {g.global_ranks[r]: r for r in ranks}
+        if not want:
+            return
+        if not want.keys() <= self.started and store.check([_STARTED]):
+            raw = store.get(_STARTED)
+            self.started = {struct.unpack_from("<I", raw, i)[0] for i in range(0, len(raw) - 3, 4)}
+        beating = [gr for gr in want if gr in self.started]
+        values = store.multi_get([f"{_HB}{gr}" for gr in beating]) if beating else []
+        now = time.monotonic()
+        for gr, value in zip(beating, values, strict=True):
+            seen, since = self.last.get(gr, (value, now))
+            if value != seen:
+                since = now
+            self.last[gr] = (value, since)
+            if now - since > g.peer_timeout:
+                r = want[gr]
+                raise RankFailedError(
+                    f"rank {r} stopped responding: no heartbeat for {now - since:.0f} s "
+                    f"(peer_timeout={g.peer_timeout:g} s); it died or hung",
+                    rank=r, dead=True)
+        if now - self.t0 > g.arrival_timeout:
+            r = next((want[gr] for gr in want if gr not in self.started), want[next(iter(want))])
+            raise RankFailedError(
+                f"rank {r} did not reach {what} within the arrival timeout ({g.arrival_timeout:g} s)", rank=r)
+
+
+# -- the group ----------------------------------------------------------------------------------
+
+
 class Group:
     """The ranks of one collective save or load (a lone process when torch.distributed is not
-    initialised). Ranks call `exchange` the same number of times, in the same order."""
+    initialised). Ranks call `exchange` the same number of times, in the same order, and `close`
+    (or leave the `with` block) at the end of the operation."""
 
     def __init__(self, process_group: dist.ProcessGroup | None, peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
         if not peer_timeout > 0:
@@ -106,15 +291,37 @@ class Group:
         self.size = dist.get_world_size(process_group) if self.active else 1
         self.peer_timeout = peer_timeout
         self.seq = 0
+        self.closed = False
+        self.scattered = False
+        self.failed_dead = False
         if self.size == 1:
             return
-        self.store: Any = dist.distributed_c10d._get_default_store()  # takes bytes values too
+        self.arrival_timeout = _arrival_timeout(process_group)
+        link = _process_link(peer_timeout)
+        self.store: Any = link.client()
         name = "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
         with _calls_lock:
             call = _calls[name] = _calls.get(name, 0) + 1
         self.prefix = f"olmo_chunks/{name}/{call}"
         self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
-        _heartbeat.ensure(self.store, dist.get_rank(), peer_timeout / 4)
+
+    @classmethod
+    def simulated(cls, rank: int, size: int, store: Any, prefix: str, *, peer_timeout: float,
+                  arrival_timeout: float) -> Group:
+        """A group rank driven by a benchmark (benches/coord_scale.py): `store` is its own
+        `_core.StoreClient`, no torch.distributed world; the global ranks are `range(size)`."""
+        g = cls.__new__(cls)
+        g.pg, g.active, g.rank, g.size = None, False, rank, size
+        g.peer_timeout, g.arrival_timeout = peer_timeout, arrival_timeout
+        g.seq, g.closed, g.scattered, g.failed_dead = 0, False, False, False
+        g.store, g.prefix, g.global_ranks = store, prefix, list(range(size))
+        return g
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(failing=kind is not None)
 
     # -- the one primitive ---------------------------------------------------------------------
 
@@ -128,7 +335,8 @@ class Group:
         """Runs `local()` on every rank, hands the results (in rank order) to `root(results)` on rank
         0 and returns `(local result, root result)` on every rank; with `scatter`, `root` returns one
         item per rank and each rank gets its own. If anything failed anywhere, every rank raises:
-        the original exception where it happened, `RankFailedError` naming the rank elsewhere."""
+        the original exception where it happened, `RankFailedError` naming the rank elsewhere (an
+        `InvalidArgumentError` of `root`, ranks disagreeing on arguments, is raised as such)."""
         self.seq += 1
         if self.size == 1:
             mine = local() if local else None
@@ -145,12 +353,17 @@ class Group:
                 out = self._root_side(key, mine, failure, root, scatter)
             else:
                 out = self._peer_side(key, mine if root else None, failure, scatter)
-        except RankFailedError:
+        except RankFailedError as exc:
+            self.failed_dead = self.failed_dead or exc.dead
             raise
         except BaseException as exc:
             if failure is not None:
                 raise failure from (None if exc is failure else exc)
             self._abort(key, exc)
+            if isinstance(exc, ConnectionError | TimeoutError):
+                self.failed_dead = True
+                raise RankFailedError(f"lost contact with the other ranks: {_describe(exc)}", rank=0,
+                                      dead=True) from exc
             if isinstance(exc, Exception) and not isinstance(exc, OlmoChunksError):
                 raise RankFailedError(f"lost contact with the other ranks: {_describe(exc)}") from exc
             raise
@@ -160,25 +373,8 @@ class Group:
         """Runs `fn` on every rank and returns its result once every rank has succeeded."""
         return self.exchange(fn)[0]
 
-    def devices(self) -> set[str]:
-        """Devices whose tensors the group's collectives take: "cpu" with gloo, "cuda" with NCCL."""
-        backend = str(dist.get_backend(self.pg)).lower()
-        return {d for d, b in (("cpu", "gloo"), ("cuda", "nccl")) if b in backend}
-
-    def broadcast_bytes(self, data: bytes | None, n: int) -> bytes:
-        """Rank 0's `data` (`n` bytes) on every rank, through the group's collectives."""
-        if self.rank == 0:
-            assert data is not None and len(data) == n
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8)
-        if "cpu" not in self.devices():
-            buf = buf.to("cuda")
-        dist.broadcast(buf, src=self.global_ranks[0], group=self.pg)
-        return data if data is not None else buf.cpu().numpy().tobytes()
-
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
+        """Every rank's small `obj`, in rank order, on every rank."""
         return self.exchange(lambda: obj, lambda results: results)[1]
 
     # -- both sides ----------------------------------------------------------------------------
@@ -186,112 +382,287 @@ class Group:
     def _root_side(self, key: str, mine: Any, failure: BaseException | None,
                    root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
         if failure is not None:
-            self._publish(key, ("fail", (f"rank 0 failed: {_describe(failure)}", 0, False)))
+            self._publish(key, ("fail", (f"rank 0 failed: {_describe(failure)}", 0, False, "")))
             raise failure
         results: list[Any] = [mine] + [None] * (self.size - 1)
-        gather = self._gather(key)
         try:
-            for r, (status, payload) in gather:
-                if status == "fail":
-                    raise RankFailedError(f"rank {r} failed: {payload}", rank=r)
-                results[r] = payload
+            arrived = self._arrivals(key, everyone=False)
+            failed = sorted(r for r, (status, _) in arrived.items() if status == "fail")
+            if failed:
+                r = failed[0]
+                raise RankFailedError(f"rank {r} failed: {arrived[r][1]}", rank=r)
         except RankFailedError as exc:
-            self._publish(key, ("fail", (str(exc), exc.rank, exc.dead)))
+            self._publish(key, ("fail", (str(exc), exc.rank, exc.dead, "")))
             # Hear out the ranks still working (or their death), so that what the caller cleans up
             # after this failure is not written to again.
-            with contextlib.suppress(RankFailedError):
-                for _ in gather:
-                    pass
+            if not exc.dead:
+                with contextlib.suppress(RankFailedError):
+                    self._arrivals(key, everyone=True)
             raise
-        if self.seq > 1:  # every rank has read it: each has sent this step's message since
-            self.store.delete_key(f"{self.prefix}/{self.seq - 1}/out")
+        for r, (_, payload) in arrived.items():
+            results[r] = payload
+        if self.seq > 1:  # every rank has read the last step's outcome: each has arrived since
+            self._forget(self.seq - 1)
         out: Any = root(results) if root else None
+        self.scattered = scatter
         if not scatter:
             self._publish(key, ("ok", out))
             return out
         if len(out) != self.size:
             raise InvalidArgumentError(f"scatter needs {self.size} items, got {len(out)}")
-        for r in range(1, self.size):
-            self.store.set(f"{key}/out/{r}", pickle.dumps(out[r]))
-        self._publish(key, ("ok", None))
+        keys = [f"{key}/out/{r}" for r in range(1, self.size)] + [f"{key}/out"]
+        self.store.set_many(keys, [pickle.dumps(x) for x in out[1:]] + [pickle.dumps(("ok", None))])
         return out[0]
 
     def _peer_side(self, key: str, mine: Any, failure: BaseException | None, scatter: bool) -> Any:
-        sent = ("fail", _describe(failure)) if failure is not None else ("ok", mine)
-        self.store.set(f"{key}/in/{self.rank}", pickle.dumps(sent))
+        sent = (self.rank, "fail", _describe(failure)) if failure is not None else (self.rank, "ok", mine)
+        frame = pickle.dumps(sent)
+        store = self.store
+        store.append(f"{key}/in", struct.pack("<Q", len(frame)) + frame)
+        n = store.add(f"{key}/n", 1)
+        if n == self.size - 1:
+            store.set_many([f"{key}/full", f"{key}/all"], [b"", b""])
+        elif failure is not None:
+            store.set(f"{key}/all", b"")  # wake the root now
         if failure is not None:
             raise failure
         out_key = f"{key}/out"
-        self._wait_for([out_key], {0: out_key})
-        status, payload = _loads(self.store.get(out_key))
+        watch = _Watch(self)
+        self._wait([out_key], lambda: watch.check([0]))
+        status, payload = _loads(store.get(out_key))
         if status == "fail":
-            msg, rank, dead = payload
+            msg, rank, dead, cls = payload
+            if cls == "InvalidArgumentError":
+                raise InvalidArgumentError(msg)
             raise RankFailedError(msg, rank=rank, dead=dead)
         if scatter:
-            mine_key = f"{out_key}/{self.rank}"
-            payload = _loads(self.store.get(mine_key))
-            self.store.delete_key(mine_key)
+            payload = _loads(store.get(f"{out_key}/{self.rank}"))
         return payload
+
+    def _arrivals(self, key: str, everyone: bool) -> dict[int, tuple[str, Any]]:
+        """Rank 0: the messages of this step, once every rank sent one (or, unless `everyone`, as
+        soon as one reported a failure); raises `RankFailedError` for a rank that died first."""
+        watch = _Watch(self)
+        inbox = f"{key}/in"
+
+        def poll() -> None:
+            self._check_abort()
+            arrived = _frames(self.store.get(inbox)) if self.store.check([inbox]) else {}
+            if not everyone and any(s == "fail" for s, _ in arrived.values()):
+                return
+            watch.check([r for r in range(1, self.size) if r not in arrived])
+
+        self._wait([f"{key}/full" if everyone else f"{key}/all"], poll)
+        return _frames(self.store.get(inbox))
+
+    def _wait(self, keys: list[str], poll: Callable[[], None]) -> None:
+        """Blocks until `keys` exist, calling `poll` (which raises to give up) between waits."""
+        interval = min(_POLL, self.peer_timeout / 4)
+        while not self.store.wait(keys, interval):
+            poll()
+
+    def _forget(self, seq: int) -> None:
+        """Deletes the keys of step `seq` (one pipelined request)."""
+        k = f"{self.prefix}/{seq}"
+        keys = [f"{k}/in", f"{k}/n", f"{k}/all", f"{k}/full", f"{k}/out"]
+        if self.scattered:
+            keys += [f"{k}/out/{r}" for r in range(1, self.size)]
+        self.store.delete(keys)
 
     def _publish(self, key: str, outcome: tuple[str, Any]) -> None:
         self.store.set(f"{key}/out", pickle.dumps(outcome))
 
-    def _abort(self, key: str, exc: BaseException) -> None:
-        """Tells the others, best effort, that this rank gave up: the root publishes the failure,
-        another rank leaves a note the root looks for while it waits."""
-        msg = f"rank {self.rank} failed: {_describe(exc)}"
+    def _check_abort(self) -> None:
+        note = f"{self.prefix}/abort"
+        if self.store.check([note]):
+            msg, rank = _loads(self.store.get(note))
+            raise RankFailedError(msg, rank=rank, dead=rank is not None and rank < 0)
+
+    def _abort(self, key: str, exc: BaseException, rank: int | None = None, dead: bool = False) -> None:
+        """Tells the others, best effort, that this rank gave up (or that `rank` died): the root
+        publishes the failure, another rank leaves a note the others look for while they wait."""
+        msg = str(exc) if rank is not None else f"rank {self.rank} failed: {_describe(exc)}"
+        cls = "InvalidArgumentError" if isinstance(exc, InvalidArgumentError) and self.rank == 0 else ""
+        if cls:
+            msg = str(exc)
         with contextlib.suppress(Exception):
             if self.rank == 0:
-                self._publish(key, ("fail", (msg, 0, False)))
-            else:
-                self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, self.rank)))
+                self._publish(key, ("fail", (msg, self.rank if rank is None else rank, dead, cls)))
+            self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, self.rank if rank is None else rank)))
 
-    def _gather(self, key: str):
-        """Yields `(rank, message)` of every other rank as the messages arrive (a failure as soon
-        as it is seen); raises `RankFailedError` for a rank that died before sending."""
-        missing = {r: f"{key}/in/{r}" for r in range(1, self.size)}
-        while missing:
-            self._wait_for(list(missing.values()), missing, return_early=True)
-            for r in [r for r, k in missing.items() if self.store.check([k])]:
-                k = missing.pop(r)
-                msg = _loads(self.store.get(k))
-                self.store.delete_key(k)
-                yield r, msg
+    def check_same(self, gathered: Sequence[dict[str, Any]], what: str) -> None:
+        """Rank 0: raises `InvalidArgumentError` if the ranks passed different arguments."""
+        diffs = [f"rank {r} passed {k}={v!r}, rank 0 {k}={gathered[0][k]!r}"
+                 for r, args in enumerate(gathered) for k, v in args.items() if v != gathered[0].get(k)]
+        if diffs:
+            raise InvalidArgumentError(f"{what}: the ranks must pass the same arguments; " + "; ".join(diffs[:8])
+                                       + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else ""))
 
-    def _wait_for(self, keys: list[str], watched: dict[int, str], return_early: bool = False) -> None:
-        """Blocks until every key in `keys` exists (or, with `return_early`, until at least one of
-        them does), raising `RankFailedError` when a rank in `watched` (rank -> the key it would
-        set) stops beating before setting its key."""
-        last: dict[int, tuple[int, float]] = {}
-        poll = timedelta(seconds=min(_POLL, self.peer_timeout / 4))
-        while True:
-            try:
-                self.store.wait(keys, poll)
+    # -- the end of an operation ---------------------------------------------------------------
+
+    def close(self, failing: bool = False) -> None:
+        """Ends the operation: each peer acknowledges that it read the last outcome, and the root
+        (the store's host) returns once every live peer has, so none of them is left reading from
+        a store that is gone. Best effort and bounded; a no-op after a peer died."""
+        if self.size == 1 or self.closed:
+            return
+        self.closed = True
+        acks, done = f"{self.prefix}/closed", f"{self.prefix}/closed/all"
+        with contextlib.suppress(Exception):
+            if self.rank != 0:
+                if self.store.add(acks, 1) == self.size - 1:
+                    self.store.set(done, b"")
                 return
-            except Exception as exc:
-                if "timeout" not in str(exc).lower():
-                    raise
-            if self.rank == 0 and self.store.check([f"{self.prefix}/abort"]):
-                msg, rank = _loads(self.store.get(f"{self.prefix}/abort"))
-                raise RankFailedError(msg, rank=rank)
-            now = time.monotonic()
-            for r, k in watched.items():
-                if self.store.check([k]):
-                    if return_early:
-                        return
-                    continue
-                beat = self.store.add(f"olmo_chunks/hb/{self.global_ranks[r]}", 0)
-                seen, since = last.get(r, (beat, now))
-                if beat != seen:
-                    since = now
-                last[r] = (beat, since)
-                if now - since > self.peer_timeout:
-                    raise RankFailedError(
-                        f"rank {r} stopped responding: no heartbeat for {now - since:.0f} s "
-                        f"(peer_timeout={self.peer_timeout:g} s); it died or hung",
-                        rank=r,
-                        dead=True,
-                    )
+            if self.failed_dead:
+                return
+            watch = _Watch(self)
+            # After a failure a peer may never get here (stuck in a framework's collective): wait
+            # for it no longer than for a silent peer.
+            deadline = time.monotonic() + (self.peer_timeout if failing else float("inf"))
+
+            def poll() -> None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                watch.check(range(1, self.size), "the end of the operation")
+
+            self._wait([done], poll)
+            self.store.delete([acks, done])
+            if self.seq:
+                self._forget(self.seq)
+
+    # -- collectives, bounded ------------------------------------------------------------------
+
+    def devices(self) -> set[str]:
+        """Devices whose tensors the group's collectives take: "cpu" with gloo, "cuda" with NCCL."""
+        backend = str(dist.get_backend(self.pg)).lower()
+        return {d for d, b in (("cpu", "gloo"), ("cuda", "nccl")) if b in backend}
+
+    def wait_work(self, work: Any, what: str, cuda: bool = False) -> None:
+        """Waits for the async collective `work` while watching liveness and abort notes: a peer
+        that died or stopped fails every rank with `RankFailedError` within about peer_timeout,
+        instead of holding it until the process group's timeout. The group is then broken
+        (`BROKEN_GROUP`); on NCCL its communicator is aborted."""
+        interval = min(_POLL, self.peer_timeout / 4)
+        watch = _Watch(self)
+        try:
+            while True:
+                if self._work_done(work, interval, cuda):
+                    return
+                self._check_abort()
+                self._watch_collective(watch, what)
+        except RankFailedError as exc:
+            self.failed_dead = True
+            if cuda:
+                _abort_nccl(self.pg)
+            if exc.rank is not None and self.rank == 0:
+                self._abort(f"{self.prefix}/{self.seq}", exc, rank=exc.rank, dead=exc.dead)
+            raise RankFailedError(f"{exc} (during {what}; {BROKEN_GROUP})", rank=exc.rank, dead=exc.dead) from None
+        except BaseException as exc:
+            # This rank gives up inside the collective (KeyboardInterrupt): tell the others.
+            self._abort(f"{self.prefix}/{self.seq}", exc)
+            raise
+
+    def _work_done(self, work: Any, interval: float, cuda: bool) -> bool:
+        if cuda:  # an NCCL wait only orders streams: poll completion instead
+            deadline = time.monotonic() + interval
+            while time.monotonic() < deadline:
+                if work.is_completed():
+                    work.wait()
+                    return True
+                time.sleep(0.001)
+            return False
+        try:
+            work.wait(timedelta(seconds=interval))
+            return True
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                return False
+            self._culprit(exc)
+            raise  # unreachable: _culprit raises
+
+    def _watch_collective(self, watch: _Watch, what: str) -> None:
+        """The root watches every peer (and leaves a note naming a dead one); the others watch the
+        root and read its notes."""
+        watch.check(range(1, self.size) if self.rank == 0 else [0], what)
+
+    def _culprit(self, exc: BaseException) -> None:
+        """A collective failed (a peer's connection closed): finds which rank died, as the
+        heartbeats tell within peer_timeout, and raises `RankFailedError` naming it."""
+        watch = _Watch(self)
+        deadline = time.monotonic() + self.peer_timeout + 2 * _POLL
+        while time.monotonic() < deadline:
+            self._check_abort()
+            watch.check(range(1, self.size) if self.rank == 0 else [0], "a collective")
+            time.sleep(min(_POLL, self.peer_timeout / 4))
+        raise RankFailedError(f"a collective failed and no rank was found dead: {_describe(exc)}")
+
+    def broadcast_bytes(self, data: bytes | None, n: int) -> bytes:
+        """Rank 0's `data` (`n` bytes) on every rank, through the group's collectives (bounded)."""
+        device = "cpu" if "cpu" in self.devices() else "cuda"
+        if self.rank == 0:
+            assert data is not None and len(data) == n
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        buf = buf.to(device)
+        work = dist.broadcast(buf, src=self.global_ranks[0], group=self.pg, async_op=True)
+        self.wait_work(work, "the broadcast of the manifest", cuda=device == "cuda")
+        return data if data is not None else buf.cpu().numpy().tobytes()
+
+    def _all_to_all(self, send: torch.Tensor, ins: list[int], outs: list[int], what: str) -> torch.Tensor:
+        """One bounded `all_to_all_single`: `ins[p]` elements of `send` go to rank p, `outs[p]`
+        come from it."""
+        device = "cpu" if "cpu" in self.devices() else "cuda"
+        recv = torch.empty(sum(outs), dtype=send.dtype, device=device)
+        work = dist.all_to_all_single(recv, send.to(device), outs, ins, group=self.pg, async_op=True)
+        self.wait_work(work, what, cuda=device == "cuda")
+        return recv.cpu()
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's `data` on rank 0 (None elsewhere), by bounded collectives: the sizes, then
+        one variable-size all_to_all into rank 0."""
+        to_root = [1] + [0] * (self.size - 1)
+        from_all = [1] * self.size if self.rank == 0 else [0] * self.size
+        sizes = self._all_to_all(torch.tensor([len(data)], dtype=torch.int64), to_root, from_all,
+                                 "a gather of sizes").tolist()
+        outs = sizes if self.rank == 0 else [0] * self.size
+        recv = self._all_to_all(_u8(data), [len(data)] + [0] * (self.size - 1), outs, "a gather")
+        if self.rank != 0:
+            return None
+        raw, out, at = recv.numpy().tobytes(), [], 0
+        for n in sizes:
+            out.append(raw[at:at + n])
+            at += n
+        return out
+
+    def scatter_bytes(self, parts: list[bytes] | None) -> bytes:
+        """Rank 0's `parts[r]` on each rank r, by bounded collectives: the sizes, then one
+        variable-size all_to_all out of rank 0."""
+        from_root = [1] + [0] * (self.size - 1)
+        if self.rank == 0:
+            assert parts is not None and len(parts) == self.size
+            counts = [len(p) for p in parts]
+            send_sizes, send = torch.tensor(counts, dtype=torch.int64), _u8(b"".join(parts))
+        else:
+            counts = [0] * self.size
+            send_sizes, send = torch.empty(0, dtype=torch.int64), _u8(b"")
+        ins = [1] * self.size if self.rank == 0 else [0] * self.size
+        (mine,) = self._all_to_all(send_sizes, ins, from_root, "a scatter of sizes").tolist()
+        recv = self._all_to_all(send, counts, [mine] + [0] * (self.size - 1), "a scatter")
+        return recv.numpy().tobytes()
+
+
+def _u8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _abort_nccl(process_group: dist.ProcessGroup | None) -> None:
+    """Aborts the NCCL communicator of `process_group` (best effort), so that the pending
+    collective returns instead of holding the GPU until the group's timeout."""
+    with contextlib.suppress(Exception):
+        pg = process_group or dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(torch.device("cuda"))
+        backend.abort()
 
 
 def bound_collectives(process_group: dist.ProcessGroup | None, seconds: float) -> None:

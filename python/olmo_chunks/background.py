@@ -93,6 +93,7 @@ def async_save(
         written, batch, part = _stage(steps, chunks, slot, pool_bytes)
     except BaseException:
         steps.__exit__(None, None, None)
+        steps.group.close(failing=True)
         raise
     future: Future[None] = Future()
     future.set_running_or_notify_cancel()
@@ -100,7 +101,7 @@ def async_save(
 
     def finish() -> None:
         try:
-            with steps:
+            with steps.group, steps:
                 steps.lease()
                 name = data_file(steps.save_id, steps.group.rank, part)
                 steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers, steps.zstd)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
-from .fill import STAGING_BYTES, Fill, fill
+from .fill import READ_MODES, STAGING_BYTES, Fill, fill
 from .location import checkpoint_location
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
@@ -30,29 +30,33 @@ log = logging.getLogger(__name__)
 
 
 
-def open_manifest(group: Group, path: str | os.PathLike[str]) -> _core.Manifest:
+def open_manifest(group: Group, path: str | os.PathLike[str], args: Mapping[str, Any] | None = None) -> _core.Manifest:
     """The manifest committed at `path` (collective): rank 0 alone reads it from storage and the
     group's collectives hand its bytes to the others, so metadata reads do not grow with ranks.
-    An error opening it is raised on every rank, as the same error."""
+    An error opening it is raised on every rank, as the same error. `args` (the call's arguments
+    that must agree across ranks, the path included) are compared first: a difference is an
+    `InvalidArgumentError` on every rank."""
     where = checkpoint_location(path)
     if group.size == 1:
         return _core.Manifest.open(where)
     raw: list[bytes] = []
+    mine = {"path": where, **(args or {})}
 
-    def read(_: list[None]) -> tuple[str, Any, str]:
+    def read(gathered: list[dict[str, Any]]) -> tuple[str, Any, str]:
+        group.check_same(gathered, f"loading {where}")
         try:
             raw.append(_core.Manifest.read_bytes(where))
         except OlmoChunksError as exc:
             return ("error", type(exc).__name__, str(exc))
         return ("ok", len(raw[0]), "")
 
-    _, (status, got, message) = group.exchange(None, read)
+    _, (status, got, message) = group.exchange(lambda: mine, read)
     if status == "error":
         cls = getattr(errors, got, OlmoChunksError)
         simple = isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
             cls, (MismatchError, RankFailedError))
         raise (cls if simple else OlmoChunksError)(message)
-    data = group.agree(lambda: group.broadcast_bytes(raw[0] if raw else None, got))
+    data = group.broadcast_bytes(raw[0] if raw else None, got)
     return _core.Manifest.from_bytes(where, data)
 
 
@@ -240,8 +244,9 @@ def save(
     """
     t0 = time.perf_counter()
     zstd = zstd_level(compression, compression_level)
-    with SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
-                   block_size=block_size, workers=workers, zstd=zstd) as steps:
+    with Group(process_group, peer_timeout) as group, SaveSteps(
+            group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size, workers=workers,
+            zstd=zstd) as steps:
         chunks = steps.plan(state_dict)
         steps.commit(lambda: _write(steps.target, steps.save_id, steps.group.rank, chunks, block_size, workers,
                                     zstd))
@@ -283,15 +288,21 @@ class SaveSteps:
             local["chunks"] = chunks
             plain = {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
             fits = defer_lease_within is not None and staging_bytes(chunks) <= defer_lease_within
-            return tensors, plain, fits
+            return tensors, plain, fits, self.args()
 
-        def begin(gathered: list[tuple[dict, dict, bool]]) -> list[tuple[str, list[int]]]:
-            assign, self._root["schema"], self._root["entries"] = _plan([(t, p) for t, p, _ in gathered])
-            save_id = "" if all(fits for *_, fits in gathered) else self._take_lease()
+        def begin(gathered: list[tuple[dict, dict, bool, dict]]) -> list[tuple[str, list[int]]]:
+            self.group.check_same([args for *_, args in gathered], f"saving to {self.target}")
+            assign, self._root["schema"], self._root["entries"] = _plan([(t, p) for t, p, *_ in gathered])
+            save_id = "" if all(fits for _, _, fits, _ in gathered) else self._take_lease()
             return [(save_id, mine) for mine in assign]
 
         _, (self.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
         return [local["chunks"][i] for i in mine]
+
+    def args(self) -> dict[str, Any]:
+        """The arguments every rank must pass alike."""
+        return {"path": self.target, "overwrite": self.overwrite, "block_size": self.block_size,
+                "compression": self.zstd}
 
     def lease(self) -> None:
         """Takes the path's lease if `plan` left it (collective)."""
@@ -358,8 +369,16 @@ def load(
     seconds, raises on every rank.
     """
     t0 = time.perf_counter()
-    group = Group(process_group, peer_timeout)
-    manifest = open_manifest(group, path)
+    with Group(process_group, peer_timeout) as group:
+        return _load(group, state_dict, path, strict=strict, partial=partial, roles=roles, verify=verify,
+                     workers=workers, read=read, t0=t0)
+
+
+def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool, partial: bool,
+          roles: Mapping[str, str] | None, verify: bool, workers: int | None, read: str, t0: float) -> LoadReport:
+    if read not in READ_MODES:
+        raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
+    manifest = open_manifest(group, path, {"read": read, "staging_bytes": STAGING_BYTES})
 
     def check() -> tuple[LoadReport, list[Fill], dict[str, Leaf], dict[str, Any]]:
         leaves = flatten(state_dict)

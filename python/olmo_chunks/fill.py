@@ -216,16 +216,28 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
     """The cooperative load (collective). Returns None, having read nothing, when no saved block
     is needed by two ranks (and not `force`): each rank then reads its own."""
     load = _CooperativeLoad(manifest, direct, staged, tied, group, verify, workers)
+    # Which device the bytes travel on (one store step, where a failure describing the needs
+    # reaches every rank), then the needs to rank 0 and the plans back by bounded collectives.
+    needs: list[bytes] = []
 
-    def plan(results: list[tuple[bytes, bool]]) -> list[tuple[bytes | None, str]]:
-        plans = _core.plan_read_once(manifest, [n for n, _ in results], STAGING_BYTES, force)
-        device = _exchange_device(group, any(c for _, c in results), all(c for _, c in results))
-        mine: list[bytes | None] = [None] * len(results) if plans is None else list(plans)
-        return [(p, device) for p in mine]
+    def describe() -> bool:
+        n, cuda = load.needs()
+        needs.append(n)
+        return cuda
 
-    _, (mine, device) = group.exchange(load.needs, plan, scatter=True)
-    if mine is None:
+    device = group.exchange(describe, lambda cudas: _exchange_device(group, any(cudas), all(cudas)))[1]
+    gathered = group.gather_bytes(needs[0]) if group.size > 1 else needs
+    plans: list[bytes] | None = None
+
+    def plan(_: list[None]) -> bool:
+        nonlocal plans
+        assert gathered is not None
+        plans = _core.plan_read_once(manifest, gathered, STAGING_BYTES, force)
+        return plans is not None
+
+    if not group.exchange(None, plan)[1]:
         return None
+    mine = group.scatter_bytes(plans) if group.size > 1 else plans[0]  # type: ignore[index]
     return load.run(mine, device)
 
 
@@ -349,7 +361,9 @@ class _Exchange:
     def run(self) -> torch.Tensor:
         """The received bytes, in CPU memory."""
         if self.group.size > 1:
-            dist.all_to_all_single(self.recv, self.send, self.outs, self.ins, group=self.group.pg)
+            work = dist.all_to_all_single(self.recv, self.send, self.outs, self.ins, group=self.group.pg,
+                                          async_op=True)
+            self.group.wait_work(work, "a read-once exchange", cuda=self.recv.is_cuda)
         if self.host is None:
             return self.recv
         self.host.copy_(self.recv)

@@ -161,37 +161,37 @@ def load_trainer_state(
     """Restores the trainer state saved at `path` (collective over `process_group`): counters,
     data position, config and data manifest always; RNG states exactly when the layout matches,
     else reseeded per rank (see the module docstring)."""
-    group = Group(process_group)
-    here = _layout(group, layout)
+    with Group(process_group) as group:
+        here = _layout(group, layout)
 
-    def read() -> tuple[TrainerState, dict[str, Any], dict[str, Any] | None]:
-        manifest = _core.Manifest.open(checkpoint_location(path))
-        entries = values.entries(manifest)
-        missing = [f"{PREFIX}.{n}: missing from the checkpoint" for n in (*_FIELDS, "layout")
-                   if f"{PREFIX}.{n}" not in entries]
-        if missing:
-            raise MismatchError(missing, header=f"{path}: no complete trainer state")
-        state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS})
-        saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
-        prefix = f"{RNG_PREFIX}{_rank_key(group.rank)}."
-        shapes = {t.key[len(prefix):]: t.shape for t in manifest.tensors if t.key.startswith(prefix)}
-        mine: dict[str, Any] | None = None
-        if saved_layout == here and "torch" in shapes:
-            cuda = sorted(int(k.split(".")[1]) for k in shapes if k.startswith("cuda."))
-            want_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if cuda == list(range(want_cuda)):
-                mine = {"python": None, "numpy": None,
-                        "torch": torch.empty(shapes["torch"], dtype=torch.uint8)}
-                if cuda:
-                    mine["cuda"] = [torch.empty(shapes[f"cuda.{i}"], dtype=torch.uint8) for i in cuda]
-        return state, saved_layout, mine
+        def read() -> tuple[TrainerState, dict[str, Any], dict[str, Any] | None]:
+            manifest = _core.Manifest.open(checkpoint_location(path))
+            entries = values.entries(manifest)
+            missing = [f"{PREFIX}.{n}: missing from the checkpoint" for n in (*_FIELDS, "layout")
+                       if f"{PREFIX}.{n}" not in entries]
+            if missing:
+                raise MismatchError(missing, header=f"{path}: no complete trainer state")
+            state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS})
+            saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
+            prefix = f"{RNG_PREFIX}{_rank_key(group.rank)}."
+            shapes = {t.key[len(prefix):]: t.shape for t in manifest.tensors if t.key.startswith(prefix)}
+            mine: dict[str, Any] | None = None
+            if saved_layout == here and "torch" in shapes:
+                cuda = sorted(int(k.split(".")[1]) for k in shapes if k.startswith("cuda."))
+                want_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                if cuda == list(range(want_cuda)):
+                    mine = {"python": None, "numpy": None,
+                            "torch": torch.empty(shapes["torch"], dtype=torch.uint8)}
+                    if cuda:
+                        mine["cuda"] = [torch.empty(shapes[f"cuda.{i}"], dtype=torch.uint8) for i in cuda]
+            return state, saved_layout, mine
 
-    state, saved_layout, mine = group.agree(read)
-    exact = all(group.all_gather(mine is not None))
-    if exact:
-        holder = {PREFIX: {"rng": {_rank_key(group.rank): mine}}}
-        load(holder, path, process_group=process_group, partial=True, verify=verify)
-        group.agree(lambda: restore_rng(holder[PREFIX]["rng"][_rank_key(group.rank)]))
-        return Resumed(state, RESTORED, saved_layout)
-    reseed_rng(derive_seed(state.seed, state.step, group.rank))
-    return Resumed(state, RESEEDED, saved_layout)
+        state, saved_layout, mine = group.agree(read)
+        exact = all(group.all_gather(mine is not None))
+        if exact:
+            holder = {PREFIX: {"rng": {_rank_key(group.rank): mine}}}
+            load(holder, path, process_group=process_group, partial=True, verify=verify)
+            group.agree(lambda: restore_rng(holder[PREFIX]["rng"][_rank_key(group.rank)]))
+            return Resumed(state, RESTORED, saved_layout)
+        reseed_rng(derive_seed(state.seed, state.step, group.rank))
+        return Resumed(state, RESEEDED, saved_layout)

@@ -54,7 +54,8 @@ def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: 
     `peer_timeout`), is known to every rank before DCP's next collective; after a death that
     collective is bounded too, where DCP alone would wait for the group's timeout."""
     try:
-        return fn(Group(process_group, peer_timeout))
+        with Group(process_group, peer_timeout) as group:
+            return fn(group)
     except RankFailedError as exc:
         if exc.dead:
             bound_collectives(process_group, min(peer_timeout, 10.0))

@@ -15,6 +15,7 @@ pub mod manifest;
 pub mod object;
 pub mod plan;
 pub mod region;
+pub mod rendezvous;
 pub mod save;
 pub mod storage;
 pub mod txn;

@@ -1138,6 +1138,164 @@ impl PySaveTransaction {
     }
 }
 
+/// A store call's I/O error as the Python builtin a caller expects: `TimeoutError` when the
+/// server did not answer within the client's timeout, `ConnectionError` otherwise.
+fn store_err(e: std::io::Error) -> PyErr {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            pyo3::exceptions::PyTimeoutError::new_err(format!(
+                "the rendezvous store did not answer: {e}"
+            ))
+        }
+        _ => {
+            pyo3::exceptions::PyConnectionError::new_err(format!("lost the rendezvous store: {e}"))
+        }
+    }
+}
+
+fn seconds(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("bad duration {s} s")))
+}
+
+/// A connection of this process to torch.distributed's TCPStore (`olmo_chunks._core.StoreClient`):
+/// every call releases the GIL and ends within `timeout` seconds (TimeoutError) or on a lost
+/// connection (ConnectionError, and every later call too). `rtt` adds a delay per round trip
+/// (benchmarks model a cluster with it).
+#[pyclass(name = "StoreClient", module = "olmo_chunks._core", frozen)]
+struct PyStoreClient {
+    inner: std::sync::Mutex<Option<core::rendezvous::StoreClient>>,
+}
+
+impl PyStoreClient {
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut core::rendezvous::StoreClient) -> std::io::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let client = guard.as_mut().ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::NotConnected, "an earlier call failed")
+            })?;
+            let out = f(client);
+            if out.is_err() {
+                *guard = None; // the stream may be mid-answer: never reuse it
+            }
+            out
+        })
+        .map_err(store_err)
+    }
+}
+
+#[pymethods]
+impl PyStoreClient {
+    #[new]
+    #[pyo3(signature = (host, port, timeout, rtt=0.0))]
+    fn new(py: Python<'_>, host: String, port: u16, timeout: f64, rtt: f64) -> PyResult<Self> {
+        let (timeout, rtt) = (seconds(timeout)?, seconds(rtt)?);
+        let client = py
+            .detach(|| core::rendezvous::StoreClient::connect(&host, port, timeout, rtt))
+            .map_err(store_err)?;
+        Ok(PyStoreClient {
+            inner: std::sync::Mutex::new(Some(client)),
+        })
+    }
+
+    fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
+        self.call(py, |c| c.set(key, value))
+    }
+
+    /// Sets `keys[i]` to `values[i]`, in one write.
+    fn set_many(&self, py: Python<'_>, keys: Vec<String>, values: Vec<Vec<u8>>) -> PyResult<()> {
+        let items: Vec<(&str, &[u8])> = keys
+            .iter()
+            .map(|k| k.as_str())
+            .zip(values.iter().map(|v| v.as_slice()))
+            .collect();
+        self.call(py, |c| c.set_many(&items))
+    }
+
+    fn append(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
+        self.call(py, |c| c.append(key, value))
+    }
+
+    /// The value of `key`, which must exist.
+    fn get(&self, py: Python<'_>, key: &str) -> PyResult<Py<pyo3::types::PyBytes>> {
+        let v = self.call(py, |c| c.get(key))?;
+        Ok(pyo3::types::PyBytes::new(py, &v).unbind())
+    }
+
+    /// The values of `keys`, which must all exist.
+    fn multi_get(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        let vs = self.call(py, |c| c.multi_get(&refs))?;
+        Ok(vs
+            .iter()
+            .map(|v| pyo3::types::PyBytes::new(py, v).unbind())
+            .collect())
+    }
+
+    fn add(&self, py: Python<'_>, key: &str, delta: i64) -> PyResult<i64> {
+        self.call(py, |c| c.add(key, delta))
+    }
+
+    fn check(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<bool> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        self.call(py, |c| c.check(&refs))
+    }
+
+    /// Deletes `keys`; returns how many existed.
+    fn delete(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<usize> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        self.call(py, |c| c.delete(&refs))
+    }
+
+    /// True once every key in `keys` exists, False after `timeout` seconds.
+    fn wait(&self, py: Python<'_>, keys: Vec<String>, timeout: f64) -> PyResult<bool> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        let t = seconds(timeout)?;
+        self.call(py, |c| c.wait(&refs, t))
+    }
+}
+
+/// A native thread bumping `key` in the TCPStore at `host:port` every `interval` seconds
+/// (`olmo_chunks._core.Heartbeat`); it runs while Python holds the GIL.
+#[pyclass(name = "Heartbeat", module = "olmo_chunks._core", frozen)]
+struct PyHeartbeat {
+    inner: core::rendezvous::Heartbeat,
+}
+
+#[pymethods]
+impl PyHeartbeat {
+    #[new]
+    fn new(py: Python<'_>, host: String, port: u16, key: String, interval: f64) -> PyResult<Self> {
+        let interval = seconds(interval)?;
+        let inner = py
+            .detach(|| core::rendezvous::Heartbeat::start(&host, port, &key, interval))
+            .map_err(store_err)?;
+        Ok(PyHeartbeat { inner })
+    }
+
+    fn set_interval(&self, interval: f64) -> PyResult<()> {
+        self.inner.set_interval(seconds(interval)?);
+        Ok(())
+    }
+
+    #[getter]
+    fn beats(&self) -> u64 {
+        self.inner.beats()
+    }
+
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.inner.stop());
+    }
+}
+
 fn codec_name(c: core::Codec) -> &'static str {
     match c {
         core::Codec::Raw => "raw",
@@ -1168,6 +1326,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(box_runs, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
     m.add_class::<PyReadOnce>()?;
+    m.add_class::<PyStoreClient>()?;
+    m.add_class::<PyHeartbeat>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;

@@ -1,0 +1,336 @@
+//! A client of torch.distributed's `TCPStore`, the rendezvous store of every torchrun / `env://`
+//! job, speaking its wire protocol over its own socket, and the heartbeat the ranks' liveness rests
+//! on.
+//!
+//! Why in the core: a heartbeat sent by a Python thread stops whenever the interpreter is held by
+//! one long C call (a big `torch.cat`, a compile), and a live rank is then declared dead. The
+//! thread here never takes the GIL. Every call has a deadline (a socket timeout), so a frozen
+//! server (its process stopped) ends in an error, never a hang, and a timed wait is cancelled the
+//! way torch's own client cancels it, so nothing is printed.
+//!
+//! The protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp, the same since torch 2.0 for the
+//! queries used here): one query byte, then keys as u64 length + bytes (the client's keys carry a
+//! leading "/"), values as u64 length + bytes, integers as little-endian i64. `set` and `append`
+//! have no answer; `get`, `add`, `check`, `wait`, `multi_get` and `delete` do.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const VALIDATE: u8 = 0;
+const SET: u8 = 1;
+const GET: u8 = 3;
+const ADD: u8 = 4;
+const CHECK: u8 = 5;
+const WAIT: u8 = 6;
+const DELETE_KEY: u8 = 8;
+const APPEND: u8 = 9;
+const MULTI_GET: u8 = 10;
+const CANCEL_WAIT: u8 = 12;
+const MAGIC: u32 = 0x3C85_F7CE;
+const READY: u8 = 0;
+const STOP_WAITING: u8 = 0;
+const WAIT_CANCELED: u8 = 1;
+/// The largest value this client accepts from the server (the store is not ours to trust blindly).
+const MAX_VALUE: u64 = 1 << 32;
+
+/// One connection to a TCPStore server. Not shared between threads (wrap it in a mutex).
+pub struct StoreClient {
+    stream: TcpStream,
+    timeout: Duration,
+    /// Added delay per round trip (a benchmark's model of a cluster's network); zero otherwise.
+    rtt: Duration,
+    out: Vec<u8>,
+}
+
+fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+impl StoreClient {
+    /// Connects to the store at `host:port`; `timeout` bounds every later call.
+    pub fn connect(host: &str, port: u16, timeout: Duration, rtt: Duration) -> io::Result<Self> {
+        let addrs: Vec<_> = (host, port).to_socket_addrs()?.collect();
+        let mut last = io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{host}:{port} resolves to no address"),
+        );
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(stream) => {
+                    stream.set_nodelay(true)?;
+                    stream.set_read_timeout(Some(timeout))?;
+                    stream.set_write_timeout(Some(timeout))?;
+                    let mut client = StoreClient {
+                        stream,
+                        timeout,
+                        rtt,
+                        out: Vec::new(),
+                    };
+                    client.out.push(VALIDATE);
+                    client.out.extend_from_slice(&MAGIC.to_le_bytes());
+                    client.flush()?;
+                    return Ok(client);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    fn key(&mut self, key: &str) {
+        self.out
+            .extend_from_slice(&(key.len() as u64 + 1).to_le_bytes());
+        self.out.push(b'/');
+        self.out.extend_from_slice(key.as_bytes());
+    }
+
+    fn value(&mut self, value: &[u8]) {
+        self.out
+            .extend_from_slice(&(value.len() as u64).to_le_bytes());
+        self.out.extend_from_slice(value);
+    }
+
+    fn keys(&mut self, keys: &[&str]) {
+        self.out
+            .extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for k in keys {
+            self.key(k);
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let r = self.stream.write_all(&self.out);
+        self.out.clear();
+        r
+    }
+
+    fn round_trip(&mut self) -> io::Result<()> {
+        if !self.rtt.is_zero() {
+            std::thread::sleep(self.rtt);
+        }
+        self.flush()
+    }
+
+    fn read_u8(&mut self) -> io::Result<u8> {
+        let mut b = [0u8; 1];
+        self.stream.read_exact(&mut b)?;
+        Ok(b[0])
+    }
+
+    fn read_u64(&mut self) -> io::Result<u64> {
+        let mut b = [0u8; 8];
+        self.stream.read_exact(&mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn read_value(&mut self) -> io::Result<Vec<u8>> {
+        let n = self.read_u64()?;
+        if n > MAX_VALUE {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the store sent a {n}-byte value"),
+            ));
+        }
+        let mut v = vec![0u8; n as usize];
+        self.stream.read_exact(&mut v)?;
+        Ok(v)
+    }
+
+    /// Sets `key` to `value` (no answer: the next answered call orders after it).
+    pub fn set(&mut self, key: &str, value: &[u8]) -> io::Result<()> {
+        self.out.push(SET);
+        self.key(key);
+        self.value(value);
+        self.flush()
+    }
+
+    /// Sets many keys in one write.
+    pub fn set_many(&mut self, items: &[(&str, &[u8])]) -> io::Result<()> {
+        for (k, v) in items {
+            self.out.push(SET);
+            self.key(k);
+            self.value(v);
+        }
+        self.flush()
+    }
+
+    /// Appends `value` to `key` (created empty if absent); atomic against other clients' appends.
+    pub fn append(&mut self, key: &str, value: &[u8]) -> io::Result<()> {
+        self.out.push(APPEND);
+        self.key(key);
+        self.value(value);
+        self.flush()
+    }
+
+    /// The value of `key`, which must exist (check or wait first: the server drops a client
+    /// asking for a missing key).
+    pub fn get(&mut self, key: &str) -> io::Result<Vec<u8>> {
+        self.out.push(GET);
+        self.key(key);
+        self.round_trip()?;
+        self.read_value()
+    }
+
+    /// The values of `keys`, which must all exist.
+    pub fn multi_get(&mut self, keys: &[&str]) -> io::Result<Vec<Vec<u8>>> {
+        self.out.push(MULTI_GET);
+        self.keys(keys);
+        self.round_trip()?;
+        (0..keys.len()).map(|_| self.read_value()).collect()
+    }
+
+    /// Adds `delta` to the integer at `key` (0 if absent) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> io::Result<i64> {
+        self.out.push(ADD);
+        self.key(key);
+        self.out.extend_from_slice(&delta.to_le_bytes());
+        self.round_trip()?;
+        Ok(self.read_u64()? as i64)
+    }
+
+    /// True if every key in `keys` exists.
+    pub fn check(&mut self, keys: &[&str]) -> io::Result<bool> {
+        self.out.push(CHECK);
+        self.keys(keys);
+        self.round_trip()?;
+        Ok(self.read_u8()? == READY)
+    }
+
+    /// Deletes each of `keys` (pipelined: one write, then the answers); returns how many existed.
+    pub fn delete(&mut self, keys: &[&str]) -> io::Result<usize> {
+        for k in keys {
+            self.out.push(DELETE_KEY);
+            self.key(k);
+        }
+        self.round_trip()?;
+        let mut n = 0;
+        for _ in keys {
+            n += usize::from(self.read_u64()? != 0);
+        }
+        Ok(n)
+    }
+
+    /// Waits until every key in `keys` exists: true, or false once `timeout` passed (the wait is
+    /// then cancelled on the server, as torch's client does).
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> io::Result<bool> {
+        self.out.push(WAIT);
+        self.keys(keys);
+        self.round_trip()?;
+        self.stream
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+        let mut b = [0u8; 1];
+        let got = self.stream.read(&mut b);
+        self.stream.set_read_timeout(Some(self.timeout))?;
+        match got {
+            Ok(1) if b[0] == STOP_WAITING => Ok(true),
+            Ok(0) => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the store closed the connection",
+            )),
+            Ok(_) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "unexpected answer to a wait",
+            )),
+            Err(e) if timed_out(&e) => {
+                self.out.push(CANCEL_WAIT);
+                self.flush()?;
+                // The keys may have appeared just before the cancel arrived: then the wait's own
+                // answer comes first, and the cancel's after it.
+                match self.read_u8()? {
+                    WAIT_CANCELED => Ok(false),
+                    STOP_WAITING if self.read_u8()? == WAIT_CANCELED => Ok(true),
+                    _ => Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "unexpected answer to a cancelled wait",
+                    )),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A thread bumping `key` in the store every `interval` until stopped (or dropped). It holds its
+/// own connection and reconnects after a failure; it never touches Python.
+pub struct Heartbeat {
+    stop: Arc<AtomicBool>,
+    interval_ms: Arc<AtomicU64>,
+    beats: Arc<AtomicU64>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Heartbeat {
+    /// Connects (once, so that a bad address is an error here) and starts beating.
+    pub fn start(host: &str, port: u16, key: &str, interval: Duration) -> io::Result<Self> {
+        let timeout = Duration::from_secs(10);
+        let mut client = StoreClient::connect(host, port, timeout, Duration::ZERO)?;
+        client.add(key, 1)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let interval_ms = Arc::new(AtomicU64::new(interval.as_millis().max(1) as u64));
+        let beats = Arc::new(AtomicU64::new(1));
+        let (s, i, b) = (stop.clone(), interval_ms.clone(), beats.clone());
+        let (host, key) = (host.to_string(), key.to_string());
+        let thread = std::thread::Builder::new()
+            .name("olmo-chunks-heartbeat".into())
+            .spawn(move || {
+                let mut client = Some(client);
+                while !s.load(Ordering::Relaxed) {
+                    let next = Instant::now() + Duration::from_millis(i.load(Ordering::Relaxed));
+                    // Sleep in short slices so that stop() returns promptly.
+                    while !s.load(Ordering::Relaxed) && Instant::now() < next {
+                        std::thread::sleep((next - Instant::now()).min(Duration::from_millis(50)));
+                    }
+                    if s.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    if client.is_none() {
+                        client = StoreClient::connect(&host, port, timeout, Duration::ZERO).ok();
+                    }
+                    match client.as_mut().map(|c| c.add(&key, 1)) {
+                        Some(Ok(_)) => {
+                            b.fetch_add(1, Ordering::Relaxed);
+                        }
+                        _ => client = None,
+                    }
+                }
+            })?;
+        Ok(Heartbeat {
+            stop,
+            interval_ms,
+            beats,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Beats at least every `interval` from now on.
+    pub fn set_interval(&self, interval: Duration) {
+        self.interval_ms
+            .store(interval.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    /// Beats sent so far.
+    pub fn beats(&self) -> u64 {
+        self.beats.load(Ordering::Relaxed)
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
