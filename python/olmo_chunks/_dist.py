@@ -293,17 +293,19 @@ class Group:
         self.seq = 0
         self.closed = False
         self.scattered = False
-        self.failed_dead = False
+        self.dead: set[int] = set()  # ranks found dead
         if self.size == 1:
             return
         self.arrival_timeout = _arrival_timeout(process_group)
-        link = _process_link(peer_timeout)
-        self.store: Any = link.client()
         name = "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
         with _calls_lock:
             call = _calls[name] = _calls.get(name, 0) + 1
         self.prefix = f"olmo_chunks/{name}/{call}"
         self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
+        try:
+            self.store: Any = _process_link(peer_timeout).client()
+        except (ConnectionError, TimeoutError) as exc:
+            raise self._store_lost(exc) from exc
 
     @classmethod
     def simulated(cls, rank: int, size: int, store: Any, prefix: str, *, peer_timeout: float,
@@ -313,7 +315,7 @@ class Group:
         g = cls.__new__(cls)
         g.pg, g.active, g.rank, g.size = None, False, rank, size
         g.peer_timeout, g.arrival_timeout = peer_timeout, arrival_timeout
-        g.seq, g.closed, g.scattered, g.failed_dead = 0, False, False, False
+        g.seq, g.closed, g.scattered, g.dead = 0, False, False, set()
         g.store, g.prefix, g.global_ranks = store, prefix, list(range(size))
         return g
 
@@ -354,16 +356,14 @@ class Group:
             else:
                 out = self._peer_side(key, mine if root else None, failure, scatter)
         except RankFailedError as exc:
-            self.failed_dead = self.failed_dead or exc.dead
+            self._note_dead(exc)
             raise
         except BaseException as exc:
             if failure is not None:
                 raise failure from (None if exc is failure else exc)
             self._abort(key, exc)
             if isinstance(exc, ConnectionError | TimeoutError):
-                self.failed_dead = True
-                raise RankFailedError(f"lost contact with the other ranks: {_describe(exc)}", rank=0,
-                                      dead=True) from exc
+                raise self._store_lost(exc) from exc
             if isinstance(exc, Exception) and not isinstance(exc, OlmoChunksError):
                 raise RankFailedError(f"lost contact with the other ranks: {_describe(exc)}") from exc
             raise
@@ -490,6 +490,14 @@ class Group:
                 self._publish(key, ("fail", (msg, self.rank if rank is None else rank, dead, cls)))
             self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, self.rank if rank is None else rank)))
 
+    def _store_lost(self, exc: BaseException) -> RankFailedError:
+        """The error for a store that stopped answering: its host, global rank 0, died or hung."""
+        host = self.global_ranks.index(0) if 0 in self.global_ranks else None
+        self.dead.add(-1 if host is None else host)
+        who = f"rank {host}" if host is not None else "global rank 0"
+        return RankFailedError(f"{who} died or stopped responding: the rendezvous store it hosts is gone "
+                               f"({_describe(exc)})", rank=host, dead=True)
+
     def check_same(self, gathered: Sequence[dict[str, Any]], what: str) -> None:
         """Rank 0: raises `InvalidArgumentError` if the ranks passed different arguments."""
         diffs = [f"rank {r} passed {k}={v!r}, rank 0 {k}={gathered[0][k]!r}"
@@ -513,22 +521,25 @@ class Group:
                 if self.store.add(acks, 1) == self.size - 1:
                     self.store.set(done, b"")
                 return
-            if self.failed_dead:
-                return
+            if self.dead & {0, -1}:
+                return  # the store is gone
+            live = [r for r in range(1, self.size) if r not in self.dead]
             watch = _Watch(self)
             # After a failure a peer may never get here (stuck in a framework's collective): wait
             # for it no longer than for a silent peer.
             deadline = time.monotonic() + (self.peer_timeout if failing else float("inf"))
-
-            def poll() -> None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                watch.check(range(1, self.size), "the end of the operation")
-
-            self._wait([done], poll)
+            interval = min(_POLL, self.peer_timeout / 4)
+            while not self.store.wait([done], interval):
+                if self.store.add(acks, 0) >= len(live) or time.monotonic() > deadline:
+                    break
+                watch.check(live, "the end of the operation")
             self.store.delete([acks, done])
             if self.seq:
                 self._forget(self.seq)
+
+    def _note_dead(self, exc: RankFailedError) -> None:
+        if exc.dead and exc.rank is not None:
+            self.dead.add(exc.rank)
 
     # -- collectives, bounded ------------------------------------------------------------------
 
@@ -551,12 +562,17 @@ class Group:
                 self._check_abort()
                 self._watch_collective(watch, what)
         except RankFailedError as exc:
-            self.failed_dead = True
+            self._note_dead(exc)
             if cuda:
                 _abort_nccl(self.pg)
             if exc.rank is not None and self.rank == 0:
                 self._abort(f"{self.prefix}/{self.seq}", exc, rank=exc.rank, dead=exc.dead)
             raise RankFailedError(f"{exc} (during {what}; {BROKEN_GROUP})", rank=exc.rank, dead=exc.dead) from None
+        except (ConnectionError, TimeoutError) as exc:
+            if cuda:
+                _abort_nccl(self.pg)
+            lost = self._store_lost(exc)
+            raise RankFailedError(f"{lost} (during {what}; {BROKEN_GROUP})", rank=lost.rank, dead=True) from exc
         except BaseException as exc:
             # This rank gives up inside the collective (KeyboardInterrupt): tell the others.
             self._abort(f"{self.prefix}/{self.seq}", exc)

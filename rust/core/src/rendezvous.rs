@@ -44,6 +44,7 @@ pub struct StoreClient {
     /// Added delay per round trip (a benchmark's model of a cluster's network); zero otherwise.
     rtt: Duration,
     out: Vec<u8>,
+    requests: u64,
 }
 
 fn timed_out(e: &io::Error) -> bool {
@@ -72,6 +73,7 @@ impl StoreClient {
                         timeout,
                         rtt,
                         out: Vec::new(),
+                        requests: 0,
                     };
                     client.out.push(VALIDATE);
                     client.out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -82,6 +84,16 @@ impl StoreClient {
             }
         }
         Err(last)
+    }
+
+    fn query(&mut self, q: u8) {
+        self.out.push(q);
+        self.requests += 1;
+    }
+
+    /// Queries sent so far (a pipelined batch counts each of its queries).
+    pub fn requests(&self) -> u64 {
+        self.requests
     }
 
     fn key(&mut self, key: &str) {
@@ -145,7 +157,7 @@ impl StoreClient {
 
     /// Sets `key` to `value` (no answer: the next answered call orders after it).
     pub fn set(&mut self, key: &str, value: &[u8]) -> io::Result<()> {
-        self.out.push(SET);
+        self.query(SET);
         self.key(key);
         self.value(value);
         self.flush()
@@ -154,7 +166,7 @@ impl StoreClient {
     /// Sets many keys in one write.
     pub fn set_many(&mut self, items: &[(&str, &[u8])]) -> io::Result<()> {
         for (k, v) in items {
-            self.out.push(SET);
+            self.query(SET);
             self.key(k);
             self.value(v);
         }
@@ -163,7 +175,7 @@ impl StoreClient {
 
     /// Appends `value` to `key` (created empty if absent); atomic against other clients' appends.
     pub fn append(&mut self, key: &str, value: &[u8]) -> io::Result<()> {
-        self.out.push(APPEND);
+        self.query(APPEND);
         self.key(key);
         self.value(value);
         self.flush()
@@ -172,7 +184,7 @@ impl StoreClient {
     /// The value of `key`, which must exist (check or wait first: the server drops a client
     /// asking for a missing key).
     pub fn get(&mut self, key: &str) -> io::Result<Vec<u8>> {
-        self.out.push(GET);
+        self.query(GET);
         self.key(key);
         self.round_trip()?;
         self.read_value()
@@ -180,7 +192,7 @@ impl StoreClient {
 
     /// The values of `keys`, which must all exist.
     pub fn multi_get(&mut self, keys: &[&str]) -> io::Result<Vec<Vec<u8>>> {
-        self.out.push(MULTI_GET);
+        self.query(MULTI_GET);
         self.keys(keys);
         self.round_trip()?;
         (0..keys.len()).map(|_| self.read_value()).collect()
@@ -188,7 +200,7 @@ impl StoreClient {
 
     /// Adds `delta` to the integer at `key` (0 if absent) and returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> io::Result<i64> {
-        self.out.push(ADD);
+        self.query(ADD);
         self.key(key);
         self.out.extend_from_slice(&delta.to_le_bytes());
         self.round_trip()?;
@@ -197,7 +209,7 @@ impl StoreClient {
 
     /// True if every key in `keys` exists.
     pub fn check(&mut self, keys: &[&str]) -> io::Result<bool> {
-        self.out.push(CHECK);
+        self.query(CHECK);
         self.keys(keys);
         self.round_trip()?;
         Ok(self.read_u8()? == READY)
@@ -206,7 +218,7 @@ impl StoreClient {
     /// Deletes each of `keys` (pipelined: one write, then the answers); returns how many existed.
     pub fn delete(&mut self, keys: &[&str]) -> io::Result<usize> {
         for k in keys {
-            self.out.push(DELETE_KEY);
+            self.query(DELETE_KEY);
             self.key(k);
         }
         self.round_trip()?;
@@ -220,7 +232,7 @@ impl StoreClient {
     /// Waits until every key in `keys` exists: true, or false once `timeout` passed (the wait is
     /// then cancelled on the server, as torch's client does).
     pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> io::Result<bool> {
-        self.out.push(WAIT);
+        self.query(WAIT);
         self.keys(keys);
         self.round_trip()?;
         self.stream
@@ -239,7 +251,7 @@ impl StoreClient {
                 "unexpected answer to a wait",
             )),
             Err(e) if timed_out(&e) => {
-                self.out.push(CANCEL_WAIT);
+                self.query(CANCEL_WAIT);
                 self.flush()?;
                 // The keys may have appeared just before the cancel arrived: then the wait's own
                 // answer comes first, and the cancel's after it.

@@ -1165,6 +1165,8 @@ fn seconds(s: f64) -> PyResult<Duration> {
 #[pyclass(name = "StoreClient", module = "olmo_chunks._core", frozen)]
 struct PyStoreClient {
     inner: std::sync::Mutex<Option<core::rendezvous::StoreClient>>,
+    /// Queries of the connections this client has had (a lost one's are kept).
+    requests: AtomicU64,
 }
 
 impl PyStoreClient {
@@ -1178,7 +1180,10 @@ impl PyStoreClient {
             let client = guard.as_mut().ok_or_else(|| {
                 std::io::Error::new(std::io::ErrorKind::NotConnected, "an earlier call failed")
             })?;
+            let before = client.requests();
             let out = f(client);
+            self.requests
+                .fetch_add(client.requests() - before, Ordering::Relaxed);
             if out.is_err() {
                 *guard = None; // the stream may be mid-answer: never reuse it
             }
@@ -1199,7 +1204,14 @@ impl PyStoreClient {
             .map_err(store_err)?;
         Ok(PyStoreClient {
             inner: std::sync::Mutex::new(Some(client)),
+            requests: AtomicU64::new(0),
         })
+    }
+
+    /// Queries sent so far (a pipelined batch counts each of its queries).
+    #[getter]
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
     }
 
     fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
