@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import multiprocessing as mp
 import os
 import resource
@@ -102,9 +103,8 @@ def _describe(rank: int) -> tuple[dict, dict, bool, dict]:
 
 def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: threading.Event,
           out: dict[int, Any]) -> None:
-    from olmo_chunks.errors import RankFailedError
-
     from olmo_chunks import _core
+    from olmo_chunks.errors import RankFailedError
 
     store = proto.client(args.peer_timeout, args.rtt_ms / 1000)
     hb = _core.Heartbeat(proto.host, proto.port, f"olmo_chunks/hb/{rank}", min(2.0, args.peer_timeout / 4))
@@ -182,10 +182,9 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=float, default=45.0)
     ap.add_argument("--protocol", choices=("now", "before"), default="now")
     args = ap.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     import torch.distributed as dist
-
     from olmo_chunks import _core
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -202,12 +201,12 @@ def main() -> None:
     ctl.set("sim/go", b"")
     results: dict[int, Any] = {}
     for _ in procs:
-        results.update(q.get())
+        results.update(q.get(timeout=1200))
     for p in procs:
         p.join()
     steps = len(results[0][0])
     ends = [max(results[r][0][k] for r in results) for k in range(steps)]
-    durations = [(b - a) * 1000 for a, b in zip(ends, ends[1:], strict=False)]
+    durations = [(b - a) * 1000 for a, b in itertools.pairwise(ends)]
     median = statistics.median(durations)
     per_step = sum(results[r][1] for r in results) / len(results) / steps
     t_fail = max(results[r][3] for r in results)
@@ -216,7 +215,8 @@ def main() -> None:
           f"{steps} steps, per step ms min {min(durations):.1f} median {median:.1f} max {max(durations):.1f}")
     print(f"a failure on rank {args.ranks - 1} reached all {args.ranks} ranks in {spread:.0f} ms")
     reqs = f"{per_step:.1f}" if args.protocol == "now" else "n/a (torch client, not counted)"
-    print(f"coordination: {args.ranks} ranks, {median:.1f} ms per step (median), {reqs} store requests per rank per step")
+    print(f"coordination: {args.ranks} ranks, {median:.1f} ms per step (median), {reqs} store requests per rank "
+          "per step")
 
 
 if __name__ == "__main__":

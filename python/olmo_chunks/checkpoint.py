@@ -276,7 +276,7 @@ class SaveSteps:
         many staging bytes (nothing is written before `commit` then)."""
         local: dict[str, Any] = {}
 
-        def describe_local() -> tuple[dict, dict, bool]:
+        def describe_local() -> tuple[dict, dict, bool, dict]:
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
             tensors: dict[str, tuple] = {}

@@ -55,15 +55,35 @@ fn timed_out(e: &io::Error) -> bool {
 }
 
 impl StoreClient {
-    /// Connects to the store at `host:port`; `timeout` bounds every later call.
+    /// Connects to the store at `host:port`, retrying refused or dropped connections (a server
+    /// thousands of ranks connect to at once drops some) until `timeout`; `timeout` also bounds
+    /// every later call.
     pub fn connect(host: &str, port: u16, timeout: Duration, rtt: Duration) -> io::Result<Self> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match Self::try_connect(host, port, timeout, rtt) {
+                Ok(c) => return Ok(c),
+                Err(e)
+                    if Instant::now() + pause < deadline
+                        && e.kind() != io::ErrorKind::InvalidInput =>
+                {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn try_connect(host: &str, port: u16, timeout: Duration, rtt: Duration) -> io::Result<Self> {
         let addrs: Vec<_> = (host, port).to_socket_addrs()?.collect();
         let mut last = io::Error::new(
-            io::ErrorKind::NotFound,
+            io::ErrorKind::InvalidInput,
             format!("{host}:{port} resolves to no address"),
         );
         for addr in addrs {
-            match TcpStream::connect_timeout(&addr, timeout) {
+            match TcpStream::connect_timeout(&addr, timeout.min(Duration::from_secs(5))) {
                 Ok(stream) => {
                     stream.set_nodelay(true)?;
                     stream.set_read_timeout(Some(timeout))?;
@@ -281,7 +301,7 @@ pub struct Heartbeat {
 impl Heartbeat {
     /// Connects (once, so that a bad address is an error here) and starts beating.
     pub fn start(host: &str, port: u16, key: &str, interval: Duration) -> io::Result<Self> {
-        let timeout = Duration::from_secs(10);
+        let timeout = Duration::from_secs(30);
         let mut client = StoreClient::connect(host, port, timeout, Duration::ZERO)?;
         client.add(key, 1)?;
         let stop = Arc::new(AtomicBool::new(false));

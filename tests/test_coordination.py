@@ -1,0 +1,151 @@
+"""Coordination at the edges (issue 20), on fresh 2- and 4-process gloo worlds with a TCPStore
+rendezvous, as torchrun jobs have: a late first call and a GIL-holding C call are not deaths; a rank
+stopped or killed inside the read-once exchange fails every survivor, naming it, within
+peer_timeout + a few seconds; ranks passing different arguments all get InvalidArgumentError; and a
+process that exits right after its last save, load or async save never turns the others' success
+into an error. Each test prints the seconds it measured."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import olmo_chunks
+import pytest
+import torch
+from olmo_chunks.errors import InvalidArgumentError
+
+from tests.test_failures import PEER_TIMEOUT, full_state, holds, run_raw, state
+
+
+def _zeros(rank: int, ranks: int) -> dict[str, Any]:
+    sd = full_state(rank, ranks, 0)
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+
+
+def _hold_gil(seconds: float) -> None:
+    """One C call that keeps the GIL for `seconds` (PyDLL never releases it)."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def _late_or_gil(rank: int, path: str, how: str, op: str) -> float:
+    if rank == 1:
+        if how == "late":
+            time.sleep(PEER_TIMEOUT + 3)  # no heartbeat yet: this process never used the package
+        else:
+            from olmo_chunks import checkpoint
+
+            orig = checkpoint.flatten
+            checkpoint.flatten = lambda sd: (_hold_gil(PEER_TIMEOUT + 3), orig(sd))[1]
+    t0 = time.time()
+    if op == "save":
+        olmo_chunks.save(full_state(rank, 2, 1), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    else:
+        sd = _zeros(rank, 2)
+        olmo_chunks.load(sd, path, peer_timeout=PEER_TIMEOUT)
+        assert torch.equal(sd["w"], full_state(rank, 2, 1)["w"])
+    return time.time() - t0
+
+
+@pytest.mark.parametrize("how", ["late", "gil"])
+def test_a_late_or_gil_bound_rank_is_never_declared_dead(tmp_path, how):
+    path = str(tmp_path / "ckpt")
+    for op in ("save", "load"):
+        results = run_raw(2, _late_or_gil, path, how, op, timeout=120)
+        assert all(r is not None and r[0] == "ok" for r in results), (how, op, results)
+        print(f"{how} rank 1, {op}: rank 0 waited {results[0][1]:.1f} s and succeeded (peer_timeout {PEER_TIMEOUT} s)")
+    assert holds(path, 1, 2)
+
+
+def _stop_in_exchange(rank: int, path: str, victim: int, sig: int) -> tuple[str, float]:
+    from olmo_chunks import fill
+
+    orig = fill._Exchange.run
+
+    def run(self: Any) -> torch.Tensor:
+        if rank == victim:
+            Path(f"{path}.died").write_text(str(time.time()))
+            os.kill(os.getpid(), sig)
+        return orig(self)
+
+    fill._Exchange.run = run  # type: ignore[method-assign]
+    sd = _zeros(rank, 2)
+    olmo_chunks.load(sd, path, peer_timeout=PEER_TIMEOUT, read="once")
+    return "loaded", time.time()
+
+
+@pytest.mark.parametrize(("victim", "sig"), [(1, signal.SIGSTOP), (0, signal.SIGSTOP), (1, signal.SIGKILL)])
+def test_a_rank_stopped_or_killed_inside_the_exchange_fails_every_survivor(tmp_path, victim, sig):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(2, _first, path))
+    results = run_raw(2, _stop_in_exchange, path, victim, sig, timeout=PEER_TIMEOUT + 20)
+    died = float(Path(f"{path}.died").read_text())
+    survivor = 1 - victim
+    status, msg, end = results[survivor]
+    assert status == "err" and msg.startswith("RankFailedError"), results
+    assert f"rank {victim}" in msg and "process group is unusable" in msg, msg
+    assert end - died < PEER_TIMEOUT + 6, end - died
+    print(f"rank {victim} {signal.Signals(sig).name} in the exchange: rank {survivor} raised after "
+          f"{end - died:.1f} s: {msg[:160]}")
+    assert holds(path, 1, 2)
+
+
+def _first(rank: int, path: str) -> None:
+    olmo_chunks.save(full_state(rank, 2, 1), path)
+
+
+def _mismatched(rank: int, path: str, what: str) -> float:
+    t0 = time.time()
+    if what == "read":
+        sd = _zeros(rank, 2)
+        olmo_chunks.load(sd, path, peer_timeout=PEER_TIMEOUT, read="direct" if rank == 1 else "once")
+    elif what == "path":
+        olmo_chunks.load(_zeros(rank, 2), path if rank == 0 else path + "-other", peer_timeout=PEER_TIMEOUT)
+    else:
+        olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT,
+                         compression="zstd" if rank == 1 else None)
+    return time.time() - t0
+
+
+@pytest.mark.parametrize("what", ["read", "path", "compression"])
+def test_ranks_passing_different_arguments_all_get_invalid_argument(tmp_path, what):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(2, _first, path))
+    results = run_raw(2, _mismatched, path, what, timeout=60)
+    for status, msg, _ in results:
+        assert status == "err" and msg.startswith("InvalidArgumentError") and "must pass the same" in msg, results
+    print(f"{what} differs: both ranks raised InvalidArgumentError: {results[1][1][:140]}")
+    assert holds(path, 1, 2)
+
+
+def _then_exit(rank: int, path: str, op: str) -> str:
+    """The last call of a script; `run_raw` ends the process right after it returns."""
+    if op == "save":
+        olmo_chunks.save(state(rank, 3), path, overwrite=True)
+    elif op == "async":
+        olmo_chunks.async_save(state(rank, 3), path, overwrite=True).result()
+    else:
+        sd = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state(rank, 3).items()}
+        olmo_chunks.load(sd, path, strict=False)
+    return op
+
+
+def test_every_rank_exiting_right_after_its_last_call_reports_success(tmp_path):
+    path = str(tmp_path / "ckpt")
+    failures = 0
+    trials = 0
+    for op in ("save", "load", "async", "save", "load", "async"):
+        results = run_raw(4, _then_exit, path, op, timeout=90)
+        trials += 1
+        failures += sum(r is None or r[0] != "ok" for r in results)
+        assert all(r is not None and r[0] == "ok" for r in results), (op, results)
+    print(f"{trials} trials x 4 ranks exiting right after save / load / async_save: {failures} failures")
+
+
+def test_invalid_argument_is_raised_where_it_is_wrong_too():
+    with pytest.raises(InvalidArgumentError, match="read must be one of"):
+        olmo_chunks.load({}, "/nonexistent", read="sometimes")
