@@ -88,7 +88,9 @@ class _Now:
         self.core, self.mod, self.host, self.port = _core, _dist, host, port
 
     def client(self, timeout: float, rtt: float) -> Any:
-        return self.core.StoreClient(self.host, self.port, timeout, rtt)
+        # Generous: the connections of thousands of ranks at once queue at the server (this
+        # sandbox's server also stalls ~5 s on 1 connection in 50, a reverse lookup of the peer).
+        return self.core.StoreClient(self.host, self.port, max(timeout, 600), rtt)
 
     def group(self, rank: int, size: int, store: Any, prefix: str, peer_timeout: float) -> Any:
         return self.mod.Group.simulated(rank, size, store, prefix, peer_timeout=peer_timeout, arrival_timeout=600)

@@ -301,7 +301,7 @@ pub struct Heartbeat {
 impl Heartbeat {
     /// Connects (once, so that a bad address is an error here) and starts beating.
     pub fn start(host: &str, port: u16, key: &str, interval: Duration) -> io::Result<Self> {
-        let timeout = Duration::from_secs(30);
+        let timeout = Duration::from_secs(120);
         let mut client = StoreClient::connect(host, port, timeout, Duration::ZERO)?;
         client.add(key, 1)?;
         let stop = Arc::new(AtomicBool::new(false));
