@@ -48,8 +48,8 @@ def test_a_timed_wait_is_cancelled_and_the_connection_stays_usable(server):
 
 def test_a_timed_wait_prints_nothing(server):
     """torch's client logs two warnings per timed-out wait; ours none (waiting ranks poll)."""
-    code = ("from olmo_chunks import _core; c = _core.StoreClient('127.0.0.1', %d, 5.0); "
-            "print([c.wait(['never'], 0.05) for _ in range(3)])" % server.port)
+    code = (f"from olmo_chunks import _core; c = _core.StoreClient('127.0.0.1', {server.port}, 5.0); "
+            "print([c.wait(['never'], 0.05) for _ in range(3)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[False, False, False]" and "timed out" not in out.stderr, out
 
