@@ -323,7 +323,21 @@ class SaveSteps:
             commit_manifest(self._root["txn"], self.block_size, self._root["schema"], itertools.chain(*all_written),
                             self._root["entries"], info)
 
-        self.group.exchange(write, commit)
+        try:
+            self.group.exchange(write, commit)
+        except RankFailedError as exc:
+            if not (exc.dead and exc.rank == 0 and self.save_id and self._committed()):
+                raise
+            # Rank 0 (the store's host) died after committing, before this rank read the outcome:
+            # the checkpoint at the path tells it.
+            log.warning("olmo-chunks: rank 0 died after committing save %s to %s", self.save_id, self.target)
+
+    def _committed(self) -> bool:
+        """True if the checkpoint at the path is this save's."""
+        try:
+            return _core.Manifest.open(self.target).save_id == self.save_id
+        except OlmoChunksError:
+            return False
 
     def log(self, t0: float) -> None:
         if self.group.rank == 0:
