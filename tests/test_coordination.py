@@ -82,7 +82,7 @@ def _stop_in_exchange(rank: int, path: str, victim: int, sig: int) -> tuple[str,
 def test_a_rank_stopped_or_killed_inside_the_exchange_fails_every_survivor(tmp_path, victim, sig):
     path = str(tmp_path / "ckpt")
     assert all(r[0] == "ok" for r in run_raw(2, _first, path))
-    results = run_raw(2, _stop_in_exchange, path, victim, sig, timeout=PEER_TIMEOUT + 20)
+    results = run_raw(2, _stop_in_exchange, path, victim, sig, timeout=PEER_TIMEOUT + 10)
     died = float(Path(f"{path}.died").read_text())
     survivor = 1 - victim
     status, msg, end = results[survivor]
