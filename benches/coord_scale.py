@@ -160,7 +160,14 @@ def _worker(ranks: list[int], size: int, args: argparse.Namespace, host: str, po
     proto = _Before(host, port) if args.protocol == "before" else _Now(host, port)
     go = threading.Event()
     out: dict[int, Any] = {}
-    threads = [threading.Thread(target=_rank, args=(proto, r, size, args, go, out), daemon=True) for r in ranks]
+    def rank_main(r: int) -> None:
+        try:
+            _rank(proto, r, size, args, go, out)
+        except BaseException as exc:  # reported by the parent, which then stops
+            out[r] = f"{type(exc).__name__}: {exc}"
+            go.set()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
     from olmo_chunks import _core
@@ -206,6 +213,10 @@ def main() -> None:
         results.update(q.get(timeout=1200))
     for p in procs:
         p.join()
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    if failed:
+        r, why = min(failed.items())
+        sys.exit(f"{len(failed)} of {args.ranks} simulated ranks failed (rank {r}: {why})")
     steps = len(results[0][0])
     ends = [max(results[r][0][k] for r in results) for k in range(steps)]
     durations = [(b - a) * 1000 for a, b in itertools.pairwise(ends)]
