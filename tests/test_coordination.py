@@ -149,3 +149,17 @@ def test_every_rank_exiting_right_after_its_last_call_reports_success(tmp_path):
 def test_invalid_argument_is_raised_where_it_is_wrong_too():
     with pytest.raises(InvalidArgumentError, match="read must be one of"):
         olmo_chunks.load({}, "/nonexistent", read="sometimes")
+
+
+def _one_bad_read(rank: int, path: str) -> None:
+    olmo_chunks.load(_zeros(rank, 2), path, peer_timeout=PEER_TIMEOUT, read="sometimes" if rank == 1 else "once")
+
+
+def test_one_rank_with_a_bad_read_mode_fails_both_at_once(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(2, _first, path))
+    t0 = time.time()
+    (s0, m0, e0), (s1, m1, _) = run_raw(2, _one_bad_read, path, timeout=60)
+    assert s1 == "err" and m1.startswith("InvalidArgumentError") and "read must be one of" in m1, m1
+    assert s0 == "err" and m0.startswith("RankFailedError") and "rank 1" in m0, m0
+    assert e0 - t0 < 30, e0 - t0

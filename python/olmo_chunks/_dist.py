@@ -209,13 +209,14 @@ _calls_lock = threading.Lock()
 
 
 def _process_link(peer_timeout: float) -> _Link:
-    """This process's link, made on first use (and again in a forked child)."""
+    """This process's link, made on first use (and again in a forked child); it beats at least
+    four times per `peer_timeout` of any group using it."""
     global _link
+    interval = min(2.0, max(peer_timeout / 4, 0.05))
     with _link_lock:
         if _link is None or _link.pid != os.getpid():
-            store = dist.distributed_c10d._get_default_store()
-            _link = _Link(store, dist.get_rank(), min(2.0, max(peer_timeout / 4, 0.05)), peer_timeout)
-        _link.beat_every(min(2.0, max(peer_timeout / 4, 0.05)))
+            _link = _Link(dist.distributed_c10d._get_default_store(), dist.get_rank(), interval, peer_timeout)
+        _link.beat_every(interval)
         return _link
 
 
@@ -475,20 +476,19 @@ class Group:
     def _check_abort(self) -> None:
         note = f"{self.prefix}/abort"
         if self.store.check([note]):
-            msg, rank = _loads(self.store.get(note))
-            raise RankFailedError(msg, rank=rank, dead=rank is not None and rank < 0)
+            msg, rank, dead = _loads(self.store.get(note))
+            raise RankFailedError(msg, rank=rank, dead=dead)
 
     def _abort(self, key: str, exc: BaseException, rank: int | None = None, dead: bool = False) -> None:
         """Tells the others, best effort, that this rank gave up (or that `rank` died): the root
         publishes the failure, another rank leaves a note the others look for while they wait."""
-        msg = str(exc) if rank is not None else f"rank {self.rank} failed: {_describe(exc)}"
         cls = "InvalidArgumentError" if isinstance(exc, InvalidArgumentError) and self.rank == 0 else ""
-        if cls:
-            msg = str(exc)
+        msg = str(exc) if rank is not None or cls else f"rank {self.rank} failed: {_describe(exc)}"
+        who = self.rank if rank is None else rank
         with contextlib.suppress(Exception):
             if self.rank == 0:
-                self._publish(key, ("fail", (msg, self.rank if rank is None else rank, dead, cls)))
-            self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, self.rank if rank is None else rank)))
+                self._publish(key, ("fail", (msg, who, dead, cls)))
+            self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, who, dead)))
 
     def _store_lost(self, exc: BaseException) -> RankFailedError:
         """The error for a store that stopped answering: its host, global rank 0, died or hung."""
@@ -557,8 +557,11 @@ class Group:
         watch = _Watch(self)
         try:
             while True:
-                if self._work_done(work, interval, cuda):
-                    return
+                try:
+                    if self._work_done(work, interval, cuda):
+                        return
+                except RuntimeError as exc:  # a peer's connection closed
+                    self._culprit(exc, watch)
                 self._check_abort()
                 self._watch_collective(watch, what)
         except RankFailedError as exc:
@@ -593,22 +596,21 @@ class Group:
         except RuntimeError as exc:
             if "timed out" in str(exc).lower():
                 return False
-            self._culprit(exc)
-            raise  # unreachable: _culprit raises
+            raise
 
     def _watch_collective(self, watch: _Watch, what: str) -> None:
         """The root watches every peer (and leaves a note naming a dead one); the others watch the
         root and read its notes."""
         watch.check(range(1, self.size) if self.rank == 0 else [0], what)
 
-    def _culprit(self, exc: BaseException) -> None:
+    def _culprit(self, exc: BaseException, watch: _Watch) -> None:
         """A collective failed (a peer's connection closed): finds which rank died, as the
-        heartbeats tell within peer_timeout, and raises `RankFailedError` naming it."""
-        watch = _Watch(self)
+        heartbeats `watch` has been reading tell within peer_timeout, and raises `RankFailedError`
+        naming it."""
         deadline = time.monotonic() + self.peer_timeout + 2 * _POLL
         while time.monotonic() < deadline:
             self._check_abort()
-            watch.check(range(1, self.size) if self.rank == 0 else [0], "a collective")
+            self._watch_collective(watch, "a collective")
             time.sleep(min(_POLL, self.peer_timeout / 4))
         raise RankFailedError(f"a collective failed and no rank was found dead: {_describe(exc)}")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
-from .fill import READ_MODES, STAGING_BYTES, Fill, fill
+from .fill import STAGING_BYTES, Fill, check_read_mode, fill
 from .location import checkpoint_location
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
@@ -30,17 +30,23 @@ log = logging.getLogger(__name__)
 
 
 
-def open_manifest(group: Group, path: str | os.PathLike[str], args: Mapping[str, Any] | None = None) -> _core.Manifest:
+def open_manifest(group: Group, path: str | os.PathLike[str],
+                  args: Callable[[], Mapping[str, Any]] | None = None) -> _core.Manifest:
     """The manifest committed at `path` (collective): rank 0 alone reads it from storage and the
     group's collectives hand its bytes to the others, so metadata reads do not grow with ranks.
-    An error opening it is raised on every rank, as the same error. `args` (the call's arguments
-    that must agree across ranks, the path included) are compared first: a difference is an
-    `InvalidArgumentError` on every rank."""
+    An error opening it is raised on every rank, as the same error. `args()` (checks and returns
+    the call's arguments that must agree across ranks) runs in the first step and the arguments
+    are compared, the path included: a bad or differing one is an error on every rank, never a
+    rank missing from the step."""
     where = checkpoint_location(path)
     if group.size == 1:
+        if args is not None:
+            args()
         return _core.Manifest.open(where)
     raw: list[bytes] = []
-    mine = {"path": where, **(args or {})}
+
+    def mine() -> dict[str, Any]:
+        return {"path": where, **(args() if args is not None else {})}
 
     def read(gathered: list[dict[str, Any]]) -> tuple[str, Any, str]:
         group.check_same(gathered, f"loading {where}")
@@ -50,7 +56,7 @@ def open_manifest(group: Group, path: str | os.PathLike[str], args: Mapping[str,
             return ("error", type(exc).__name__, str(exc))
         return ("ok", len(raw[0]), "")
 
-    _, (status, got, message) = group.exchange(lambda: mine, read)
+    _, (status, got, message) = group.exchange(mine, read)
     if status == "error":
         cls = getattr(errors, got, OlmoChunksError)
         simple = isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
@@ -390,9 +396,7 @@ def load(
 
 def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool, partial: bool,
           roles: Mapping[str, str] | None, verify: bool, workers: int | None, read: str, t0: float) -> LoadReport:
-    if read not in READ_MODES:
-        raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
-    manifest = open_manifest(group, path, {"read": read, "staging_bytes": STAGING_BYTES})
+    manifest = open_manifest(group, path, lambda: {"read": check_read_mode(read), "staging_bytes": STAGING_BYTES})
 
     def check() -> tuple[LoadReport, list[Fill], dict[str, Leaf], dict[str, Any]]:
         leaves = flatten(state_dict)

@@ -30,7 +30,7 @@ from ._dist import Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
 from .shards import is_dense
 
-__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "ReadOnceStats", "fill"]
+__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "ReadOnceStats", "check_read_mode", "fill"]
 
 READ_MODES = ("once", "direct")
 
@@ -66,8 +66,7 @@ def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, worke
     """Fills every `Fill.dest` from `manifest` (see the module docstring). With a `group` of
     several ranks every rank calls this together (collective), with the same `read`. Returns the
     cooperative load's figures, or None when each rank read its own bytes."""
-    if read not in READ_MODES:
-        raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
+    check_read_mode(read)
     direct, staged, tied = _classify(fills)
     force = os.environ.get("OLMO_CHUNKS_READ_ONCE") == "always"  # benchmarks: the rounds even alone
     if group is not None and read == "once" and (group.size > 1 or force):
@@ -82,6 +81,13 @@ def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, worke
     for batch in _batches([f for f, _ in tied]):
         _check_tied(batch, _load_staged(manifest, batch, verify, workers), first)
     return None
+
+
+def check_read_mode(read: str) -> str:
+    """`read`, if it names a read mode; else `InvalidArgumentError`."""
+    if read not in READ_MODES:
+        raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
+    return read
 
 
 def _copy_into_place(batch: list[Fill], stages: list[torch.Tensor]) -> None:

@@ -37,7 +37,7 @@ from ..errors import (
     InvalidArgumentError,
     MismatchError,
 )
-from ..fill import READ_MODES, Fill, fill
+from ..fill import Fill, check_read_mode, fill
 from ..location import checkpoint_location, is_url
 from ..shards import torch_dtype
 from .common import check_group, data_step, is_location, path_of
@@ -67,8 +67,7 @@ class ChunkStoreReader(StorageReader):
         read: str = "once",
     ) -> None:
         super().__init__()
-        if read not in READ_MODES:
-            raise InvalidArgumentError(f"read must be one of {READ_MODES}, got {read!r}")
+        check_read_mode(read)
         self.read = read
         if _extension_registry is not None:
             raise InvalidArgumentError(
