@@ -163,3 +163,19 @@ def test_one_rank_with_a_bad_read_mode_fails_both_at_once(tmp_path):
     assert s1 == "err" and m1.startswith("InvalidArgumentError") and "read must be one of" in m1, m1
     assert s0 == "err" and m0.startswith("RankFailedError") and "rank 1" in m0, m0
     assert e0 - t0 < 30, e0 - t0
+
+
+def _one_bad_compression(rank: int, path: str) -> None:
+    olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT,
+                     compression="lz4" if rank == 1 else None)
+
+
+def test_one_rank_with_an_unsupported_compression_fails_both_at_once(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(2, _first, path))
+    t0 = time.time()
+    (s0, m0, e0), (s1, m1, _) = run_raw(2, _one_bad_compression, path, timeout=60)
+    assert s1 == "err" and m1.startswith("InvalidArgumentError") and "only 'zstd'" in m1, m1
+    assert s0 == "err" and m0.startswith("RankFailedError") and "rank 1" in m0, m0
+    assert e0 - t0 < 30, e0 - t0
+    assert holds(path, 1, 2)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
-from .checkpoint import SaveSteps, data_file, staging_bytes, write_file, zstd_level
+from .checkpoint import SaveSteps, data_file, staging_bytes, write_file
 from .errors import OlmoChunksError
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
@@ -87,7 +87,7 @@ def async_save(
         _wait(slot.future)
     t0 = time.perf_counter()
     steps = SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
-                      block_size=block_size, workers=workers, zstd=zstd_level(compression, compression_level))
+                      block_size=block_size, workers=workers, compression=(compression, compression_level))
     try:
         chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
         written, batch, part = _stage(steps, chunks, slot, pool_bytes)

@@ -249,13 +249,12 @@ def save(
     data file in memory (at most its raw size) until they are written.
     """
     t0 = time.perf_counter()
-    zstd = zstd_level(compression, compression_level)
     with Group(process_group, peer_timeout) as group, SaveSteps(
             group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size, workers=workers,
-            zstd=zstd) as steps:
+            compression=(compression, compression_level)) as steps:
         chunks = steps.plan(state_dict)
         steps.commit(lambda: _write(steps.target, steps.save_id, steps.group.rank, chunks, block_size, workers,
-                                    zstd))
+                                    steps.zstd))
     steps.log(t0)
 
 
@@ -267,10 +266,13 @@ class SaveSteps:
 
     def __init__(self, group: Group, path: str | os.PathLike[str], *, roles: Mapping[str, str] | None,
                  info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None,
-                 zstd: int | None = None) -> None:
+                 compression: tuple[str | None, int | None] = (None, None)) -> None:
         self.group, self.target = group, checkpoint_location(path)
         self.roles, self.info, self.overwrite = roles, dict(info or {}), overwrite
-        self.block_size, self.workers, self.zstd = block_size, workers, zstd
+        self.block_size, self.workers = block_size, workers
+        # Checked in the first step (`plan`), where a bad value fails every rank.
+        self.compression = compression
+        self.zstd: int | None = None
         self.save_id = ""
         self.nbytes = 0
         self._root: dict[str, Any] = {}
@@ -283,6 +285,7 @@ class SaveSteps:
         local: dict[str, Any] = {}
 
         def describe_local() -> tuple[dict, dict, bool, dict]:
+            self.zstd = zstd_level(*self.compression)
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
             tensors: dict[str, tuple] = {}
