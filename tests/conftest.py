@@ -20,6 +20,22 @@ if importlib.util.find_spec("olmo_chunks") is None:
 os.environ.setdefault("PYTHONWARNINGS", "error::DeprecationWarning,error::FutureWarning")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warning_rules_hold_in_every_world():
+    """After the session's tests: in every persistent gloo world they used, deprecations are still
+    errors (no test or library code left a global warning filter behind in a worker)."""
+    yield
+    world = sys.modules.get("tests.world")
+    if world is None:
+        return
+    broken = {}
+    for size in world.sizes():
+        rules = world.run(size, world.warning_rules)
+        if any(r != {"DeprecationWarning": "raised", "FutureWarning": "raised"} for r in rules):
+            broken[size] = rules
+    assert not broken, f"warning rules changed in gloo worlds (size: per-rank rules): {broken}"
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Stop the gloo worlds the tests started, if any."""
     world = sys.modules.get("tests.world")

@@ -304,16 +304,36 @@ def test_two_worlds_racing_to_one_path(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_save_refuses_a_directory_with_files_it_did_not_write(tmp_path):
+def test_save_refuses_a_data_directory_it_did_not_write(tmp_path):
     p = tmp_path / "ckpt"
     (p / "data").mkdir(parents=True)
     (p / "data" / "train.jsonl").write_text("hi")
-    with pytest.raises(InvalidArgumentError, match=r"not an olmo-chunks checkpoint \(found data/train.jsonl\)"):
+    with pytest.raises(InvalidArgumentError, match=r"its data/ is not this store's \(found data/train.jsonl\)"):
         olmo_chunks.save({"w": torch.ones(3)}, p)
     assert (p / "data" / "train.jsonl").read_text() == "hi"
-    (p / "notes.txt").write_text("mine")
-    with pytest.raises(InvalidArgumentError, match=r"notes\.txt"):
-        olmo_chunks.save({"w": torch.ones(3)}, p, overwrite=True)
+    assert sorted(os.listdir(p)) == ["data"]
+
+
+def test_save_beside_foreign_files_never_touches_or_lists_them(tmp_path):
+    """As DCP does (format_utils.torch_save_to_dcp writes beside its source model.pt): files this
+    store did not write may sit in the directory before the first save; no save touches them."""
+    p = tmp_path / "ckpt"
+    p.mkdir()
+    foreign = {"model.pt": b"torch.save bytes", "README": b"user", ".olmo_chunks.manifest.tmp-notes": b"not ours",
+               ".olmo_chunks.manifest.tmp-" + "A" * 32: b"upper-case: not a save id"}
+    for name, data in foreign.items():
+        (p / name).write_bytes(data)
+    (p / "sub").mkdir()
+    (p / "sub" / "x.bin").write_bytes(b"user")
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+    olmo_chunks.save({"w": torch.full((3,), 2.0)}, p, overwrite=True)
+    assert {name: (p / name).read_bytes() for name in foreign} == foreign
+    assert (p / "sub" / "x.bin").read_bytes() == b"user"
+    m = _core.Manifest.open(str(p))
+    assert all(f.path.startswith("data/") for f in m.files), [f.path for f in m.files]
+    sd = {"w": torch.zeros(3)}
+    olmo_chunks.load(sd, p)
+    assert torch.equal(sd["w"], torch.full((3,), 2.0))
 
 
 def test_save_never_writes_through_a_symlinked_data_dir(tmp_path):

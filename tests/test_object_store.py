@@ -102,6 +102,21 @@ def test_overwrite_commits_the_new_save_and_removes_the_old_data(s3, bucket):
     assert torch.equal(back["w"], _state(2, 1000)["w"])
 
 
+def test_a_save_beside_foreign_objects_never_touches_them(s3, bucket):
+    url = f"s3://{bucket}/beside"
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="beside/model.pt", Body=b"torch.save bytes")
+    olmo_chunks.save(_state(1, 1000), url)
+    olmo_chunks.save(_state(2, 1000), url, overwrite=True)
+    assert client.get_object(Bucket=bucket, Key="beside/model.pt")["Body"].read() == b"torch.save bytes"
+    m = _core.Manifest.open(url)
+    assert all(f.path.startswith("data/") for f in m.files)
+    client.put_object(Bucket=bucket, Key="beside2/data/train.jsonl", Body=b"hi")  # data/ is the store's name
+    refused = r"data/ holds objects this store did not write \(found data/train.jsonl\)"
+    with pytest.raises(InvalidArgumentError, match=refused):
+        olmo_chunks.save(_state(1, 1000), f"s3://{bucket}/beside2")
+
+
 def test_a_corrupted_object_fails_its_checksum(s3, bucket):
     url = f"s3://{bucket}/c"
     olmo_chunks.save(_state(3, 1000), url)

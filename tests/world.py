@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["RankFailure", "WorldError", "free_port", "mesh", "run", "shutdown"]
+__all__ = ["RankFailure", "WorldError", "free_port", "mesh", "run", "shutdown", "sizes", "warning_rules"]
 
 # Spawning a world imports torch once per rank; on a small machine that takes a while.
 STARTUP_TIMEOUT = 300.0
@@ -90,6 +90,26 @@ def mesh(shape: tuple[int, ...]) -> DeviceMesh:
     if shape not in _meshes:
         _meshes[shape] = init_device_mesh("cpu", shape)
     return _meshes[shape]
+
+
+def sizes() -> list[int]:
+    """The sizes of the worlds this process has running."""
+    return sorted(size for size, world in _worlds.items() if world.owner == os.getpid())
+
+
+def warning_rules() -> dict[str, str]:
+    """On a rank: whether a DeprecationWarning and a FutureWarning raise there ("raised") or are
+    hidden or printed ("hidden"), as the suite's rule (errors) requires everywhere."""
+    import warnings
+
+    out = {}
+    for category in (DeprecationWarning, FutureWarning):
+        try:
+            warnings.warn("olmo-chunks hygiene probe", category, stacklevel=1)
+            out[category.__name__] = "hidden"
+        except category:
+            out[category.__name__] = "raised"
+    return out
 
 
 def shutdown() -> None:

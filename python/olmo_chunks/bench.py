@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -526,7 +525,6 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:
     figures on rank 0 (None elsewhere). Every rank must call it."""
     from . import _core
 
-    warnings.filterwarnings("ignore")
     if dist.get_world_size() < WORLD:
         raise ValueError(f"the benchmark needs {WORLD} ranks, this world has {dist.get_world_size()}")
     rank = dist.get_rank()

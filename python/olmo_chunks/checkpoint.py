@@ -22,7 +22,7 @@ from .fill import STAGING_BYTES, Fill, check_read_mode, fill
 from .location import checkpoint_location
 from .roles import resolve_role
 from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
-from .tree import Leaf, flatten
+from .tree import TRAINER_PREFIX, TRAINER_RNG_PREFIX, Leaf, flatten
 
 __all__ = ["LoadReport", "load", "open_manifest", "save"]
 
@@ -384,7 +384,8 @@ def load(
     itself. The manifest is read by rank 0 and broadcast. Plain values are replaced. A model
     conversion (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError`
     listing every mismatch; with `strict=False` what matches is loaded and the rest reported in the
-    returned `LoadReport`.
+    returned `LoadReport`. Saved trainer state (`trainer.*`, restored by `load_trainer_state`) is
+    checked only when `state_dict` holds trainer state too.
 
     `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,
     the trainer state alone): checkpoint keys it lacks are not unexpected, while every key it has
@@ -426,12 +427,12 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
                 report.missing.append(key) if key not in saved else report.mismatched.append(
                     f"{key}: a plain value here, a tensor in the checkpoint")
         if not partial:
-            from .trainer_state import RNG_PREFIX  # lazy: trainer_state imports this module
-
-            # Per-rank RNG states belong to the trainer state (`load_trainer_state` restores them)
-            # and each rank holds only its own: the other ranks' are not unexpected here.
+            # Trainer entries are `load_trainer_state`'s: unexpected only when the state dict holds
+            # trainer state itself, and never another rank's RNG states.
+            trainer = any(k.startswith(f"{TRAINER_PREFIX}.") for k in leaves)
             report.unexpected = sorted(
-                k for k in (saved.keys() | entries.keys()) if k not in leaves and not k.startswith(RNG_PREFIX)
+                k for k in (saved.keys() | entries.keys()) if k not in leaves and not k.startswith(TRAINER_RNG_PREFIX)
+                and (trainer or not k.startswith(f"{TRAINER_PREFIX}."))
             )
         if strict and not report.ok:
             raise MismatchError(

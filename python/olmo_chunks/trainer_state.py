@@ -34,6 +34,7 @@ from ._dist import Group
 from .checkpoint import load
 from .errors import InvalidArgumentError, MismatchError
 from .location import checkpoint_location
+from .tree import TRAINER_PREFIX, TRAINER_RNG_PREFIX
 
 __all__ = [
     "PREFIX",
@@ -47,10 +48,8 @@ __all__ = [
     "restore_rng",
 ]
 
-PREFIX = "trainer"
-# Each rank's RNG states live under f"{RNG_PREFIX}rank{R:05d}.": trainer state, restored by
-# `load_trainer_state`, never counted as unexpected by a strict `load` (a rank holds only its own).
-RNG_PREFIX = f"{PREFIX}.rng."
+PREFIX = TRAINER_PREFIX
+RNG_PREFIX = TRAINER_RNG_PREFIX
 _FIELDS = ("step", "tokens", "epoch", "seed", "data_position", "config", "data_manifest", "extra")
 RESTORED = "restored"
 RESEEDED = "reseeded"

@@ -14,6 +14,12 @@ from .values import MAX_DEPTH
 
 __all__ = ["Leaf", "flatten"]
 
+# Where the trainer state lives (`trainer_state.py`): `load_trainer_state` restores it, so a strict
+# `load` of model and optimizer keys does not count it as unexpected. Each rank's RNG states sit under
+# f"{TRAINER_RNG_PREFIX}rank{R:05d}." and a rank holds only its own.
+TRAINER_PREFIX = "trainer"
+TRAINER_RNG_PREFIX = f"{TRAINER_PREFIX}.rng."
+
 
 @dataclass
 class Leaf:

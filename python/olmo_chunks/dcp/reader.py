@@ -13,6 +13,7 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -51,8 +52,8 @@ class ChunkStoreReader(StorageReader):
     `read="once"` (the default) has each saved block the job needs read by one rank and handed to
     the others through the process group's collectives (see `olmo_chunks.load`), `"direct"` has
     every rank read its own.
-    `FileSystemReader`'s `_extension_registry` is accepted when empty (there are no stream
-    transforms to undo).
+    `FileSystemReader`'s `_extension_registry` is accepted and unused: olmo-chunks' blocks
+    describe their own compression, so there are no stream transforms to undo.
     """
 
     def __init__(
@@ -69,10 +70,10 @@ class ChunkStoreReader(StorageReader):
         super().__init__()
         check_read_mode(read)
         self.read = read
-        if _extension_registry is not None:
+        if _extension_registry is not None and not isinstance(_extension_registry, ExtensionRegistry):
             raise InvalidArgumentError(
-                "ChunkStoreReader: _extension_registry is not supported; olmo-chunks stores raw "
-                "element bytes, with no stream transforms to undo"
+                f"ChunkStoreReader: _extension_registry must be an ExtensionRegistry, "
+                f"not {type(_extension_registry).__name__}"
             )
         self.path = checkpoint_location(path) if path is not None else None
         self.verify = verify

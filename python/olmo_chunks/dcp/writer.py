@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -37,6 +38,22 @@ from .common import check_group, data_step, is_location, path_of
 from .values import encode_object, group_entries
 
 
+def _compression_of(extensions: list[Any], compression: str | None) -> str:
+    """The `compression` DCP stream `extensions` ask for: ZStandard is our per-block zstd (the
+    checkpoint stays in our format, which DCP's reader cannot read anyway); others are refused."""
+    other = [type(e).__name__ for e in extensions if not isinstance(e, ZStandard)]
+    if other:
+        raise InvalidArgumentError(
+            f"ChunkStoreWriter: _extensions={other} are not supported: olmo-chunks stores element bytes "
+            "with block checksums, compressed per block with zstd (ZStandard() or compression='zstd')"
+        )
+    if compression not in (None, "zstd"):
+        raise InvalidArgumentError(
+            f"ChunkStoreWriter: _extensions=[ZStandard()] and compression={compression!r} disagree"
+        )
+    return "zstd"
+
+
 @dataclasses.dataclass(frozen=True)
 class _ValueWritten:
     encoded: Any
@@ -54,10 +71,11 @@ class ChunkStoreWriter(StorageWriter):
     `overwrite=False` refuses (with `CheckpointExistsError`, before any data is written) a path
     holding a committed checkpoint; `thread_count` is `workers`. Every rank always writes one data
     file per rank and fsyncs it, so `single_file_per_rank` and `sync_files` change nothing;
-    `per_thread_copy_ahead` and `cache_staged_state_dict` are ignored. Stream `_extensions`
-    (compression) and a `serialization_format` other than the default are refused: olmo-chunks
-    stores element bytes, compressed per block with zstd when `compression="zstd"` (at
-    `compression_level`, as `olmo_chunks.save`).
+    `per_thread_copy_ahead` and `cache_staged_state_dict` are ignored. olmo-chunks stores element
+    bytes, compressed per block with zstd when `compression="zstd"` (at `compression_level`, as
+    `olmo_chunks.save`): `_extensions=[ZStandard()]` asks for the same and means
+    `compression="zstd"`; any other stream transform, and a `serialization_format` other than the
+    default, is refused.
     """
 
     def __init__(
@@ -82,12 +100,9 @@ class ChunkStoreWriter(StorageWriter):
         compression_level: int | None = None,
     ) -> None:
         super().__init__()
-        self.zstd = zstd_level(compression, compression_level)
         if _extensions:
-            raise InvalidArgumentError(
-                "ChunkStoreWriter: _extensions (stream transforms such as ZStandard) are not supported; "
-                "olmo-chunks stores raw element bytes with block checksums"
-            )
+            compression = _compression_of(list(_extensions), compression)
+        self.zstd = zstd_level(compression, compression_level)
         if getattr(serialization_format, "value", serialization_format) not in (None, "torch_save"):
             raise InvalidArgumentError(
                 f"ChunkStoreWriter: serialization_format={serialization_format} is not supported "

@@ -69,9 +69,9 @@ class ChunkStoreCheckpointManager(CheckpointManager):
         writer = ChunkStoreWriter(checkpoint_id, process_group=pg, peer_timeout=self.peer_timeout)
         ret: Future | AsyncSaveResponse | None = None
         if async_mode == AsyncMode.ASYNC:
-            ret = dcp.async_save(state_dict, storage_writer=writer, process_group=pg)
-        else:
-            dcp.save(state_dict, storage_writer=writer)
+            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=pg)
+        else:  # torchtitan's call shapes (its unit tests patch dcp.save and match on them)
+            dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -80,7 +80,7 @@ class ChunkStoreCheckpointManager(CheckpointManager):
         if from_hf or not _is_store(checkpoint_id):  # HF safetensors or a stock DCP checkpoint
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         reader = ChunkStoreReader(checkpoint_id, verify=self.verify, peer_timeout=self.peer_timeout)
-        dcp.load(state_dict, storage_reader=reader, planner=FastLoadPlanner())
+        dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id, planner=FastLoadPlanner())
         if MODEL in self.states:  # the model's entries are flattened into state_dict, as torchtitan does
             self.states[MODEL].load_state_dict(state_dict)
 

@@ -711,19 +711,13 @@ impl ObjectSaveTxn {
                     }
                     _ => foreign.push(rel),
                 }
-            } else if !committed && rel != MANIFEST_NAME && rel != LEASE_NAME {
-                foreign.push(rel);
             }
         }
         if !foreign.is_empty() {
             foreign.sort();
-            let what = if committed {
-                "its data/ holds objects this store did not write"
-            } else {
-                "it is not empty and not an olmo-chunks checkpoint"
-            };
             return Err(CoreError::InvalidArgument(format!(
-                "{}: refusing to save there: {what} (found {}); nothing was changed",
+                "{}: refusing to save there: its data/ holds objects this store did not write (found {}); \
+                 nothing was changed",
                 s.url,
                 foreign.join(", ")
             )));

@@ -119,34 +119,24 @@ fn is_our_save_dir(path: &Path) -> bool {
     })
 }
 
-/// Everything below `dir` that is not part of an olmo-chunks store, relative to `dir`. With
-/// `committed`, only `data/` is checked (anything may sit beside a checkpoint's manifest, but a
-/// symlinked `data/` is never written through).
+/// What in `dir` conflicts with the store's own names, relative to `dir`: a `data/` that is not a
+/// real directory (a symlinked `data/` is never written through) and, without a committed
+/// manifest, entries of `data/` that are not this store's save directories. Anything else may sit
+/// beside a checkpoint (a `model.pt` converted into it, a README) and is never touched.
 fn foreign_entries(dir: &Path, committed: bool) -> Result<Vec<String>> {
     let mut foreign = Vec::new();
-    let entries = fs::read_dir(dir).map_err(|e| CoreError::io(dir, e))?;
-    for e in entries {
-        let e = e.map_err(|e| CoreError::io(dir, e))?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name == DATA_DIR {
-            let ty = e.file_type().map_err(|err| CoreError::io(e.path(), err))?;
-            if !ty.is_dir() {
-                foreign.push(format!("{name} (not a directory)"));
-            } else if !committed {
-                let sub = e.path();
-                for d in fs::read_dir(&sub).map_err(|err| CoreError::io(&sub, err))? {
-                    let d = d.map_err(|err| CoreError::io(&sub, err))?;
-                    if !is_our_save_dir(&d.path()) {
-                        foreign.push(format!("{name}/{}", d.file_name().to_string_lossy()));
-                    }
-                }
+    let data = dir.join(DATA_DIR);
+    let Ok(meta) = fs::symlink_metadata(&data) else {
+        return Ok(foreign);
+    };
+    if !meta.is_dir() {
+        foreign.push(format!("{DATA_DIR} (not a directory)"));
+    } else if !committed {
+        for d in fs::read_dir(&data).map_err(|e| CoreError::io(&data, e))? {
+            let d = d.map_err(|e| CoreError::io(&data, e))?;
+            if !is_our_save_dir(&d.path()) {
+                foreign.push(format!("{DATA_DIR}/{}", d.file_name().to_string_lossy()));
             }
-        } else if !committed
-            && name != MANIFEST_NAME
-            && !name.starts_with(LEASE_NAME)
-            && !name.starts_with(TMP_PREFIX)
-        {
-            foreign.push(name);
         }
     }
     foreign.sort();
@@ -314,13 +304,8 @@ impl SaveTxn {
         }
         let foreign = foreign_entries(&self.dir, committed)?;
         if !foreign.is_empty() {
-            let what = if committed {
-                "its data/ is not a directory this store wrote"
-            } else {
-                "it is not empty and not an olmo-chunks checkpoint"
-            };
             return Err(CoreError::InvalidArgument(format!(
-                "{}: refusing to save there: {what} (found {}); nothing was changed",
+                "{}: refusing to save there: its data/ is not this store's (found {}); nothing was changed",
                 self.dir.display(),
                 foreign.join(", ")
             )));
@@ -533,7 +518,10 @@ fn remove_temp_manifests(dir: &Path) {
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        let is_tmp = name.to_str().is_some_and(|n| n.starts_with(TMP_PREFIX));
+        let is_tmp = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(TMP_PREFIX))
+            .is_some_and(is_save_id);
         if is_tmp && e.file_type().is_ok_and(|t| t.is_file()) {
             let _ = fs::remove_file(e.path());
         }
