@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the environment, build, and run every test: Rust (fmt, clippy, unit and
-# property tests) and Python (pytest over real multi-process gloo groups).
+# property tests), the release wheel installed into a fresh venv, and Python (pytest over real
+# multi-process gloo groups).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
@@ -15,5 +16,7 @@ echo "[test] stubtest (python/olmo_chunks/_core.pyi against the built extension)
 python -m mypy.stubtest olmo_chunks._core
 echo "[test] mypy (the package)" >&2
 python -m mypy
+echo "[test] the wheel as users install it (scripts/wheel_smoke.sh)" >&2
+bash scripts/wheel_smoke.sh
 echo "[test] pytest" >&2
 python -m pytest -q -p no:cacheprovider "$@"

@@ -3,13 +3,11 @@
 //! `CoreError::UnsafePath`, promptly, and never read through a link. Also the writer's block-size
 //! cap.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use olmo_chunks_core::fsutil::{open_beneath, open_beneath_walk};
 use olmo_chunks_core::manifest::MAX_BLOCK_SIZE;
 use olmo_chunks_core::{

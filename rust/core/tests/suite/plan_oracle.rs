@@ -1,9 +1,7 @@
 //! The copy plan and the coverage check against brute force: random global shapes, random saved
 //! partitions (grids, guillotines, flat ranges, mixes) and random strided / flat targets.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use olmo_chunks_core::{
     check_coverage, plan_copies, plan_runs, CoreError, Manifest, Region, Run, Target, TensorPlanner,
 };

@@ -3,11 +3,9 @@
 //! every rank must end with exactly the bytes a direct read gives it, every needed block must be
 //! read by exactly one rank that needs it, and rounds must stay within the budget.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::*;
+use crate::common::*;
 use olmo_chunks_core::coop::{self, ReadPlan};
 use olmo_chunks_core::{plan_copies, read_into, ByteCopy, LocalFs, Manifest, Target};
 use proptest::prelude::*;

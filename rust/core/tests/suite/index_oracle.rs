@@ -1,9 +1,7 @@
 //! The band index against a brute-force overlap scan: grids, guillotine partitions and arbitrary
 //! (overlapping, empty, repeated) box sets.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use olmo_chunks_core::index::BoxIndex;
 use olmo_chunks_core::Region;
 use proptest::prelude::*;

@@ -2,12 +2,10 @@
 //! semantically bad manifests with valid checksums. Every input must give the right `CoreError`
 //! variant; nothing may panic, in the decoder or in what runs on a manifest it accepts.
 
-mod common;
-
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use olmo_chunks_core::manifest::HEADER_LEN;
 use olmo_chunks_core::{
     check_manifest_coverage, plan_runs, CoreError, FileEntry, Manifest, Region, Target,

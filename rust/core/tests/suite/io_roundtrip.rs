@@ -1,11 +1,9 @@
 //! End-to-end I/O through a temporary directory: `write_chunks` + `Manifest::commit`, then
 //! `read_into` with random copy plans, bit-exact; unit and block boundaries; data-file faults.
 
-mod common;
-
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use olmo_chunks_core::io::MAX_UNIT;
 use olmo_chunks_core::{
     plan_copies, read_into, verify_all, ByteCopy, CoreError, Manifest, Region, Target,
