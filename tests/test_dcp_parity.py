@@ -271,7 +271,7 @@ def test_import_dcp_refuses_paths_outside_the_source(dcp_src: Path, tmp_path: Pa
     secret = _secret(tmp_path)
     rel = {"dotdot": "../secret.bin", "absolute": str(secret), "inner_dotdot": "x/../../secret.bin", "empty": ""}
     _edit_storage(dcp_src, "w", relative_path=rel[how], offset=0)
-    with pytest.raises(UnsafePathError, match=r"item w .*outside the checkpoint directory"):
+    with pytest.raises(UnsafePathError, match=r"item w .*not a relative path inside the checkpoint directory"):
         import_dcp(dcp_src, tmp_path / "out")
     assert not (tmp_path / "out" / olmo_chunks.MANIFEST_NAME).exists()
 
@@ -285,7 +285,7 @@ def test_import_dcp_does_not_follow_symlinks_out_of_the_source(dcp_src: Path, tm
     else:
         os.symlink(tmp_path, dcp_src / "up")
         _edit_storage(dcp_src, "w", relative_path="up/secret.bin", offset=0)
-    with pytest.raises(UnsafePathError, match=r"item w .*symlink"):
+    with pytest.raises(UnsafePathError, match=r"item w .*is a symbolic link"):
         import_dcp(dcp_src, tmp_path / "out")
     assert not (tmp_path / "out" / olmo_chunks.MANIFEST_NAME).exists()
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import io
 import os
 import pickle
-import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -90,36 +88,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _open_beneath(root: Path, rel: Any, what: str) -> io.BufferedReader:
-    """Opens regular file `rel` below directory `root` for reading: a relative path of normal
-    components, no symlink below `root` followed (each component opened with O_NOFOLLOW from its
-    parent's descriptor), never blocking on a FIFO or device. Refuses anything else with
-    UnsafePathError (a CorruptCheckpointError) naming `what`."""
-    parts = rel.split("/") if isinstance(rel, str) else []
-    if not parts or any(p in ("", ".", "..") or "\0" in p for p in parts):
-        raise UnsafePathError(f"{root}: {what}: path {rel!r} points outside the checkpoint directory")
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    fds = []
+    """Opens regular file `rel` below directory `root` for reading, as the core opens data files
+    (`_core.open_beneath`: normal components only, no symlink below `root` followed, never
+    blocking on a FIFO). Refuses anything else with UnsafePathError naming `what`."""
+    if not isinstance(rel, str) or not rel:
+        raise UnsafePathError(f"{root}: {what}: path {rel!r} is not a relative path inside the checkpoint directory")
     try:
-        fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        for part in parts[:-1]:
-            fds.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=fds[-1]))
-        fd = os.open(parts[-1], flags, dir_fd=fds[-1])
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            raise MissingDataFileError(f"{root / rel}: {what}: no such file") from None
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePathError(
-                f"{root}: {what}: path {rel!r} goes through a symlink or a non-directory"
-            ) from None
-        raise StorageError(exc.errno, f"{root / rel}: {what}: {exc.strerror}") from None
-    finally:
-        for d in fds:
-            os.close(d)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafePathError(f"{root}: {what}: {rel!r} is not a regular file")
-    os.set_blocking(fd, True)
-    return open(fd, "rb")
+        return open(_core.open_beneath(str(root), rel), "rb")
+    except OlmoChunksError as exc:
+        raise type(exc)(f"{what}: {exc}") from None
 
 
 @contextlib.contextmanager

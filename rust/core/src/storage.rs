@@ -46,28 +46,32 @@ impl IoCounters {
     }
 }
 
-/// Bytes per second this process may read from storage (0: unbounded), and when the bytes read
-/// so far are allowed to have arrived.
-static PACE: Mutex<(u64, Option<Instant>)> = Mutex::new((0, None));
+/// Bytes per second this process may read from storage (0: unbounded; the only state a read
+/// looks at unless a benchmark set a cap), and when the bytes read so far are allowed to have
+/// arrived.
+static PACE_RATE: AtomicU64 = AtomicU64::new(0);
+static PACE_DUE: Mutex<Option<Instant>> = Mutex::new(None);
 
 /// Caps this process's storage reads at `bytes_per_s` (0 lifts the cap): a benchmark's model of
 /// slower shared storage. Reads through every storage, and [`pace_read`] callers, share the cap.
 pub fn set_read_pace(bytes_per_s: u64) {
-    *PACE.lock().unwrap() = (bytes_per_s, None);
+    let mut due = PACE_DUE.lock().unwrap();
+    *due = None;
+    PACE_RATE.store(bytes_per_s, Ordering::Relaxed);
 }
 
 /// Waits as long as `n` more bytes take at the paced rate, behind the bytes already read.
 pub fn pace_read(n: u64) {
+    let rate = PACE_RATE.load(Ordering::Relaxed);
+    if rate == 0 {
+        return; // no cap: one atomic load, no lock
+    }
     let wait = {
-        let mut pace = PACE.lock().unwrap();
-        let (rate, next) = *pace;
-        if rate == 0 {
-            return;
-        }
+        let mut next = PACE_DUE.lock().unwrap();
         let now = Instant::now();
         let due =
             next.map_or(now, |t| t.max(now)) + Duration::from_secs_f64(n as f64 / rate as f64);
-        pace.1 = Some(due);
+        *next = Some(due);
         due - now
     };
     std::thread::sleep(wait);

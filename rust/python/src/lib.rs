@@ -607,6 +607,18 @@ fn pace_read(py: Python<'_>, n: u64) {
     py.detach(|| core::storage::pace_read(n))
 }
 
+/// Opens regular file `rel` strictly beneath directory `root` for reading, as the core opens data
+/// files (no symlink below `root` followed, never blocking on a FIFO); returns its descriptor,
+/// which the caller owns.
+#[pyfunction]
+fn open_beneath(py: Python<'_>, root: &str, rel: &str) -> PyResult<i32> {
+    use std::os::fd::IntoRawFd;
+    let file = py
+        .detach(|| core::fsutil::open_beneath(std::path::Path::new(root), rel))
+        .map_err(|e| to_pyerr(py, e))?;
+    Ok(file.into_raw_fd())
+}
+
 /// Bytes read from and written to storage by this process so far, through the core.
 #[pyfunction]
 fn io_counters() -> (u64, u64) {
@@ -1342,6 +1354,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHeartbeat>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(open_beneath, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(pace_read, m)?)?;
     m.add_function(wrap_pyfunction!(object_store_counters, m)?)?;
