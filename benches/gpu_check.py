@@ -104,7 +104,7 @@ def _shard_cols(n: int, parts: int, j: int) -> tuple[int, int]:
     return a, min(a + step, n) - a
 
 
-def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, device: str) -> dict[str, Any]:  # noqa: PLR0915
     import olmo_chunks as oc
     from olmo_chunks.experts import ExpertLayout
     from olmo_chunks.weights import compute_weights

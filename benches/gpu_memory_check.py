@@ -116,7 +116,7 @@ def _data(v: object) -> torch.Tensor:
     return v.storage if isinstance(v, ExpertFlatView) else v  # type: ignore[return-value]
 
 
-def main() -> int:
+def main() -> int:  # noqa: PLR0915
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=4.0, help="FP32 parameters' size in GiB (the state is 3x)")
     ap.add_argument("--experts", type=int, default=64)

@@ -520,7 +520,7 @@ def _requests(url: str | None) -> int:
     return _core.object_store_counters(url)[2] if url else 0
 
 
-def run_on_rank(opts: Options) -> dict[str, Any] | None:
+def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
     """The benchmark on this rank of an initialised world of at least `WORLD` ranks; returns the
     figures on rank 0 (None elsewhere). Every rank must call it."""
     from . import _core

@@ -137,7 +137,7 @@ def read_dcp_metadata(src: str | os.PathLike) -> Metadata:
     return md
 
 
-def import_dcp(
+def import_dcp(  # noqa: PLR0915
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,

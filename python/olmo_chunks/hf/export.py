@@ -159,7 +159,7 @@ def _source_name(ckpt: str | os.PathLike[str]) -> str:
     return location if is_url(location) else str(Path(location).resolve())
 
 
-def export_checkpoint(
+def export_checkpoint(  # noqa: PLR0915
     ckpt: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,

@@ -454,7 +454,7 @@ def _saved_vocab(spec: MappingSpec, entries: Mapping[str, Any]) -> int | None:
     return None
 
 
-def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAIN_WEIGHT,)) -> TensorPlan:
+def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAIN_WEIGHT,)) -> TensorPlan:  # noqa: PLR0915
     """How every HF tensor of `spec` is read from `manifest` (a `_core.Manifest`). Problems
     (unmapped or ambiguous native tensors, duplicate HF names, inexact coverage) are collected,
     not raised."""
@@ -724,7 +724,7 @@ def _invert_shape(
     return tuple(s)
 
 
-def plan_import(
+def plan_import(  # noqa: PLR0915
     hf_shapes: Mapping[str, tuple[int, ...]], spec: MappingSpec, *, pad_multiple: int | None = None
 ) -> TensorPlan:
     """How each HF tensor lands in the native tensors `spec` names (native shapes inferred from

@@ -125,7 +125,7 @@ class HFTensor:
         return _numel(self.shape)
 
 
-def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]], int]:
+def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]], int]:  # noqa: PLR0915
     """`(metadata, [(name, entry)] in header order, data_start)` of one safetensors file,
     validated like the reference reader: known dtypes, sizes that match shapes, tensors that tile
     the data section exactly."""
