@@ -33,13 +33,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import _core
 from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
+
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives"]
 
@@ -370,13 +372,15 @@ class Group:
             raise
         return mine, out
 
-    def agree(self, fn: Callable[[], Any]) -> Any:
+    def agree(self, fn: Callable[[], T]) -> T:
         """Runs `fn` on every rank and returns its result once every rank has succeeded."""
-        return self.exchange(fn)[0]
+        result: T = self.exchange(fn)[0]
+        return result
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's small `obj`, in rank order, on every rank."""
-        return self.exchange(lambda: obj, lambda results: results)[1]
+        results: list[Any] = self.exchange(lambda: obj, lambda results: results)[1]
+        return results
 
     # -- both sides ----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .checkpoint import SaveSteps, data_file, staging_bytes, write_file
 from .errors import OlmoChunksError
+from .shards import ChunkItem
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
 
@@ -119,20 +120,20 @@ def async_save(
     return future
 
 
-def _stage(steps: SaveSteps, chunks: list[tuple[str, tuple, torch.Tensor]], slot: _Slot,
-           pool_bytes: int) -> tuple[list[_core.WrittenChunk], list[tuple[str, tuple, torch.Tensor]], int]:
+def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot,
+           pool_bytes: int) -> tuple[list[_core.WrittenChunk], list[ChunkItem], int]:
     """Copies `chunks` into the pool. Returns what was already written (when the pool overflowed),
     the batch left in the pool for the background write, and the number of data files used."""
     sizes = [t.numel() * t.element_size() for _, _, t in chunks]
     cuda = any(t.is_cuda for _, _, t in chunks)
     need = staging_bytes(chunks)
     pool = slot.buffer(need, pool_bytes, cuda and torch.cuda.is_available()) if need else None
-    stream = torch.cuda.Stream() if cuda else None
+    stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
     written: list[_core.WrittenChunk] = []
-    batch: list[tuple[str, tuple, torch.Tensor]] = []
+    batch: list[ChunkItem] = []
     part, at = 0, 0
 
-    def flush(items: list[tuple[str, tuple, torch.Tensor]]) -> None:
+    def flush(items: list[ChunkItem]) -> None:
         nonlocal part
         if stream is not None:
             stream.synchronize()

@@ -621,7 +621,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
     return None
 
 
-def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]],
+def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[str, Any]]],
                dcp_threads: tuple[int, ...]) -> dict[str, Any]:
     """Best time per (kind, where, method) (timings agree across ranks: barrier to barrier), the
     largest extra RSS of any rank, GB/s and the ratios."""
@@ -645,7 +645,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict]
                            "read_x": sum(c["read"].values()) / total,
                            "requests_per_rank": requests if any(requests) else None})
     for group in rows.values():
-        by_where: dict[str, list[dict]] = {}
+        by_where: dict[str, list[dict[str, Any]]] = {}
         for row in group:
             by_where.setdefault(row["where"], []).append(row)
         for where_rows in by_where.values():
@@ -796,9 +796,10 @@ def run(opts: Options) -> dict[str, Any]:
     try:
         opts = Options(**{**asdict(opts), "root": tmp})
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_spawned, args=(WORLD, os.path.join(tmp, "rdzv"), opts, out), nprocs=WORLD)
+        mp.spawn(_spawned, args=(WORLD, os.path.join(tmp, "rdzv"), opts, out), nprocs=WORLD)  # type: ignore[no-untyped-call]  # torch leaves it untyped
         with open(out) as f:
-            return json.load(f)
+            result: dict[str, Any] = json.load(f)
+            return result
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -21,7 +21,7 @@ from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFa
 from .fill import STAGING_BYTES, Fill, check_read_mode, fill
 from .location import checkpoint_location
 from .roles import resolve_role
-from .shards import TensorShard, describe, dtype_name, is_dense, torch_dtype
+from .shards import ChunkItem, TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import TRAINER_PREFIX, TRAINER_RNG_PREFIX, Leaf, flatten
 
 __all__ = ["LoadReport", "load", "open_manifest", "save"]
@@ -110,7 +110,7 @@ def zstd_level(compression: str | None, level: int | None = None) -> int | None:
     return DEFAULT_ZSTD_LEVEL if level is None else level
 
 
-def _write(path: str, save_id: str, rank: int, chunks: list[tuple[str, tuple, torch.Tensor]],
+def _write(path: str, save_id: str, rank: int, chunks: list[ChunkItem],
            block_size: int, workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
     """Writes this rank's chunks `(key, region, data)`, compressed with zstd at level `zstd` when
     given; returns where each went.
@@ -118,7 +118,7 @@ def _write(path: str, save_id: str, rank: int, chunks: list[tuple[str, tuple, to
     CPU tensors are written from their own memory. Accelerator tensors go through pinned host
     buffers of at most STAGING_BYTES at a time, one data file per batch."""
     out: list[_core.WrittenChunk] = []
-    batches: list[list[tuple[str, tuple, torch.Tensor]]] = [[]]
+    batches: list[list[ChunkItem]] = [[]]
     staged = 0
     for item in chunks:
         nbytes = item[2].numel() * item[2].element_size()
@@ -146,7 +146,7 @@ def _write(path: str, save_id: str, rank: int, chunks: list[tuple[str, tuple, to
     return out
 
 
-def staging_bytes(chunks: list[tuple[str, tuple, torch.Tensor]]) -> int:
+def staging_bytes(chunks: list[ChunkItem]) -> int:
     """Host bytes that staging `chunks` back to back takes (each starting at a multiple of 64)."""
     return sum(-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in chunks)
 
@@ -156,7 +156,7 @@ def data_file(save_id: str, rank: int, part: int) -> str:
     return f"data/{save_id}/rank-{rank:05d}" + (f"-{part:03d}" if part else "") + ".bin"
 
 
-def write_file(path: str, name: str, chunks: list[tuple[str, tuple, torch.Tensor]], block_size: int,
+def write_file(path: str, name: str, chunks: list[ChunkItem], block_size: int,
                workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
     """Writes contiguous CPU chunks `(key, region, data)` into one fresh data file `name`."""
     items = [(key, kind, list(a), list(b), t.data_ptr(), t.numel() * t.element_size())
@@ -164,14 +164,15 @@ def write_file(path: str, name: str, chunks: list[tuple[str, tuple, torch.Tensor
     return _core.write_chunks(path, name, items, block_size, workers, zstd)
 
 
-def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dict]:
+def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any]]]
+          ) -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
     """Rank 0: check that ranks agree on every tensor, merge plain entries, and give every distinct
     chunk one writer, balancing bytes across the ranks that hold it (replicas are written once)."""
     problems: list[str] = []
-    schema: dict[str, tuple] = {}
+    schema: dict[str, tuple[Any, ...]] = {}
     entries: dict[str, Any] = {}
-    holders: dict[tuple[str, tuple], list[int]] = {}
-    sizes: dict[tuple[str, tuple], int] = {}
+    holders: dict[tuple[str, tuple[Any, ...]], list[int]] = {}
+    sizes: dict[tuple[str, tuple[Any, ...]], int] = {}
     for rank, (tensors, plain) in enumerate(gathered):
         i = 0  # position in the rank's local chunk list, which follows this same order
         for key, (dtype, shape, role, regions) in tensors.items():
@@ -199,7 +200,7 @@ def _plan(gathered: list[tuple[dict, dict]]) -> tuple[list[list[int]], dict, dic
     return assign, schema, entries
 
 
-def commit_manifest(txn: _core.SaveTransaction, block_size: int, schema: Mapping[str, tuple],
+def commit_manifest(txn: _core.SaveTransaction, block_size: int, schema: Mapping[str, tuple[Any, ...]],
                     chunks: Iterable[_core.WrittenChunk], entries: Mapping[str, Any],
                     info: Mapping[str, Any]) -> _core.Manifest:
     """Commits save `txn`: `schema` maps every key to `(dtype, shape, role)`, `chunks` is what the
@@ -278,18 +279,18 @@ class SaveSteps:
         self._root: dict[str, Any] = {}
 
     def plan(self, state_dict: Mapping[str, Any], *,
-             defer_lease_within: int | None = None) -> list[tuple[str, tuple, torch.Tensor]]:
+             defer_lease_within: int | None = None) -> list[ChunkItem]:
         """The chunks `(key, region, data)` this rank writes (replicated ones are written once).
         With `defer_lease_within`, the lease is left to `lease()` if every rank's tensors fit in that
         many staging bytes (nothing is written before `commit` then)."""
         local: dict[str, Any] = {}
 
-        def describe_local() -> tuple[dict, dict, bool, dict]:
+        def describe_local() -> tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]:
             self.zstd = zstd_level(*self.compression)
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
-            tensors: dict[str, tuple] = {}
-            chunks: list[tuple[str, tuple, torch.Tensor]] = []
+            tensors: dict[str, tuple[Any, ...]] = {}
+            chunks: list[ChunkItem] = []
             for key, s in shards.items():
                 regions = list(s.regions())
                 tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
@@ -299,7 +300,8 @@ class SaveSteps:
             fits = defer_lease_within is not None and staging_bytes(chunks) <= defer_lease_within
             return tensors, plain, fits, self.args()
 
-        def begin(gathered: list[tuple[dict, dict, bool, dict]]) -> list[tuple[str, list[int]]]:
+        def begin(gathered: list[tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]]
+                  ) -> list[tuple[str, list[int]]]:
             self.group.check_same([args for *_, args in gathered], f"saving to {self.target}")
             assign, self._root["schema"], self._root["entries"] = _plan([(t, p) for t, p, *_ in gathered])
             save_id = "" if all(fits for _, _, fits, _ in gathered) else self._take_lease()

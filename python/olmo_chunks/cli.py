@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from . import _core, values
 from .errors import OlmoChunksError
@@ -107,7 +108,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f}"
 
 
-def summarize(path: str) -> dict:
+def summarize(path: str) -> dict[str, Any]:
     """Per-tensor and per-role totals of a checkpoint, with bytes per main-weight parameter; `bytes`
     are raw (the tensors' own), `stored_bytes` what they take on disk (less when compressed)."""
     m = _core.Manifest.open(path)
@@ -223,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         with _watching(cmd.name, getattr(args, cmd.watch)) if cmd.watch else contextlib.nullcontext():
-            return run(args)
+            rc: int = run(args)
+            return rc
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

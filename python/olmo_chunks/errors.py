@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointExistsError",
     "CheckpointLockedError",
@@ -102,7 +104,7 @@ class RankFailedError(OlmoChunksError):
         self.rank = rank
         self.dead = dead
 
-    def __reduce__(self) -> tuple:  # keeps `rank` and `dead` through pickling
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps `rank` and `dead` through pickling
         return (_rank_failed, (str(self), self.rank, self.dead))
 
 

@@ -16,6 +16,12 @@ from .layout import Piece, dtensor_pieces
 __all__ = ["ChunkSource", "TensorShard", "describe", "dtype_name", "is_dense", "torch_dtype"]
 
 
+# A chunk's region as the core's bindings spell it: ("box", offsets, sizes) or ("flat", [start], [length]).
+RegionSpec = tuple[str, list[int], list[int]]
+# One chunk to write: its tensor's key, its region, its elements.
+ChunkItem = tuple[str, RegionSpec, torch.Tensor]
+
+
 @dataclass
 class TensorShard:
     """The part of a global tensor held in `local`: boxes (`pieces`, at their local offsets) and/or
@@ -29,7 +35,7 @@ class TensorShard:
     flat: list[tuple[int, int, int]] = field(default_factory=list)
     role: str | None = None
 
-    def regions(self) -> Iterator[tuple[tuple, torch.Tensor]]:
+    def regions(self) -> Iterator[tuple[RegionSpec, torch.Tensor]]:
         """`(region, data)` per held piece: region as the core spells it, data a view of `local`
         holding the region's elements in storage order (made contiguous by the writer)."""
         for p in self.pieces:

@@ -188,7 +188,7 @@ def load_trainer_state(
         state, saved_layout, mine = group.agree(read)
         exact = all(group.all_gather(mine is not None))
         if exact:
-            holder = {PREFIX: {"rng": {_rank_key(group.rank): mine}}}
+            holder: dict[str, Any] = {PREFIX: {"rng": {_rank_key(group.rank): mine}}}
             load(holder, path, process_group=process_group, partial=True, verify=verify)
             group.agree(lambda: restore_rng(holder[PREFIX]["rng"][_rank_key(group.rank)]))
             return Resumed(state, RESTORED, saved_layout)

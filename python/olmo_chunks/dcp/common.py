@@ -20,12 +20,12 @@ from ..location import checkpoint_location
 log = logging.getLogger(__name__)
 
 
-def path_of(checkpoint_id: str | os.PathLike | None, current: str | None) -> str | None:
+def path_of(checkpoint_id: str | os.PathLike[str] | None, current: str | None) -> str | None:
     """The checkpoint location `checkpoint_id` names, or `current` when it names none."""
     return checkpoint_location(checkpoint_id) if checkpoint_id else current
 
 
-def is_location(checkpoint_id: str | os.PathLike) -> bool:
+def is_location(checkpoint_id: str | os.PathLike[str]) -> bool:
     """True if `checkpoint_id` is a local path or a URL of a supported object store."""
     try:
         checkpoint_location(checkpoint_id)

@@ -37,7 +37,7 @@ from ..errors import (
 )
 from ..location import checkpoint_location
 from ..roles import resolve_role
-from ..shards import dtype_name
+from ..shards import ChunkItem, dtype_name
 from .values import encode_object, group_entries
 
 # Globals a DCP `.metadata` pickle may name; anything else is refused.
@@ -111,7 +111,7 @@ def _bad_metadata(src: Path, what: str) -> Iterator[None]:
         raise CorruptCheckpointError(f"{src}: bad DCP metadata for {what}: {exc}") from None
 
 
-def read_dcp_metadata(src: str | os.PathLike) -> Metadata:
+def read_dcp_metadata(src: str | os.PathLike[str]) -> Metadata:
     """The `Metadata` of a checkpoint written by DCP's FileSystemWriter, read without running
     arbitrary pickled code."""
     path = Path(src) / ".metadata"
@@ -138,8 +138,8 @@ def read_dcp_metadata(src: str | os.PathLike) -> Metadata:
 
 
 def import_dcp(  # noqa: PLR0915
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
     *,
     roles: Mapping[str, str] | None = None,
     overwrite: bool = False,
@@ -159,10 +159,10 @@ def import_dcp(  # noqa: PLR0915
     zstd = zstd_level(compression, compression_level)
     md = read_dcp_metadata(src)
     storage: Mapping[MetadataIndex, Any] = md.storage_data
-    schema: dict[str, tuple] = {}
+    schema: dict[str, tuple[Any, ...]] = {}
     leaves: dict[str, Any] = {}
     written: list[_core.WrittenChunk] = []
-    pending: list[tuple[str, tuple, torch.Tensor]] = []
+    pending: list[ChunkItem] = []
     pending_bytes = 0
     nfile = 0
     handles: dict[str, Any] = {}

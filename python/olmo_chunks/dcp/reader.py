@@ -58,7 +58,7 @@ class ChunkStoreReader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike | None = None,
+        path: str | os.PathLike[str] | None = None,
         *,
         verify: bool = True,
         workers: int | None = None,
@@ -84,13 +84,13 @@ class ChunkStoreReader(StorageReader):
         self._manifest: _core.Manifest | None = None
         self._tensors: dict[str, tuple[int, torch.dtype]] = {}
         self._values: dict[str, Any] = {}
-        self._value_paths: dict[str, tuple] = {}
+        self._value_paths: dict[str, tuple[Any, ...]] = {}
 
     @property
     def checkpoint_id(self) -> str | None:
         return self.path
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.path = path_of(checkpoint_id, self.path)
         self.load_id = uuid.uuid4().hex
         self._manifest = None
@@ -119,7 +119,7 @@ class ChunkStoreReader(StorageReader):
                 properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape),
                 chunks=SavedChunks(m, i),  # type: ignore[arg-type]
             )
-        paths: dict[str, tuple] = {}
+        paths: dict[str, tuple[Any, ...]] = {}
         for fqn, path in self._value_paths.items():
             if fqn in md:
                 raise CorruptCheckpointError(f"{self.path}: {fqn!r} is both a tensor and a value")
@@ -213,7 +213,7 @@ class ChunkStoreReader(StorageReader):
                 planner.load_bytes(item, buf)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         if not is_location(checkpoint_id):
             return False
         location = checkpoint_location(checkpoint_id)

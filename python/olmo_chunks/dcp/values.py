@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 _TENSOR = object()  # marks a tensor leaf in a path trie
 
 
-class _Node(dict):
+class _Node(dict[Any, Any]):
     """An inner node of a path trie (leaves are encoded values, which may be dicts too)."""
 
 
@@ -79,11 +79,11 @@ def _dcp_terminal(value: Any) -> bool:
     return True
 
 
-def dcp_leaves(key: str, value: Any) -> dict[str, tuple[tuple, Any]]:
+def dcp_leaves(key: str, value: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
     """The DCP leaves `{fqn: (object path, value)}` of native plain entry `key` = `value`."""
-    out: dict[str, tuple[tuple, Any]] = {}
+    out: dict[str, tuple[tuple[Any, ...], Any]] = {}
 
-    def walk(path: tuple, v: Any) -> None:
+    def walk(path: tuple[Any, ...], v: Any) -> None:
         if isinstance(v, Mapping):
             for k, x in v.items():
                 walk((*path, str(k)), x)

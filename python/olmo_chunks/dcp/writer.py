@@ -33,7 +33,7 @@ from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import InvalidArgumentError
 from ..location import checkpoint_location, is_url
 from ..roles import resolve_role
-from ..shards import dtype_name
+from ..shards import ChunkItem, dtype_name
 from .common import check_group, data_step, is_location, path_of
 from .values import encode_object, group_entries
 
@@ -80,7 +80,7 @@ class ChunkStoreWriter(StorageWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike | None = None,
+        path: str | os.PathLike[str] | None = None,
         *,
         roles: Mapping[str, str] | None = None,
         info: Mapping[str, Any] | None = None,
@@ -135,7 +135,7 @@ class ChunkStoreWriter(StorageWriter):
     def checkpoint_id(self) -> str | None:
         return self.path
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._abort()
         self.path = path_of(checkpoint_id, self.path)
         self.save_id = None
@@ -199,7 +199,7 @@ class ChunkStoreWriter(StorageWriter):
         self.save_id = save_id
         rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         results: list[WriteResult] = []
-        chunks: list[tuple[str, tuple, torch.Tensor]] = []
+        chunks: list[ChunkItem] = []
         chunk_items = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -240,7 +240,7 @@ class ChunkStoreWriter(StorageWriter):
             raise InvalidArgumentError(
                 "ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)"
             )
-        schema: dict[str, tuple] = {}
+        schema: dict[str, tuple[Any, ...]] = {}
         leaves: dict[str, Any] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -269,5 +269,5 @@ class ChunkStoreWriter(StorageWriter):
             self._abort()  # a no-op once committed
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return is_location(checkpoint_id)

@@ -470,7 +470,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _compare(
     plan: TensorPlan,
     hf: SafetensorsDir | TensorDictSource,
-    load: Callable,
+    load: Callable[..., Any],
     budget: int,
     recorded_dtype: str | None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -550,7 +550,7 @@ def _compare(
 
 
 def _stream_compare(
-    e: Planned, out_dtype: torch.dtype, hf: Any, load: Callable, budget: int, rec: dict[str, Any]
+    e: Planned, out_dtype: torch.dtype, hf: Any, load: Callable[..., Any], budget: int, rec: dict[str, Any]
 ) -> list[str]:
     assert e.source is not None
     n = _box_elems(budget, [e.source.dtype.itemsize] * 3 + [out_dtype.itemsize] * 3)

@@ -58,7 +58,7 @@ BUILTIN_MAPPINGS = ("olmo2", "olmoe", "olmoe-fused")
 _VAR = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def _natural(s: str) -> list:
+def _natural(s: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
@@ -661,7 +661,7 @@ def scatter_planned(
     """Where box `off`/`size` of HF tensor `e` (holding `data`, or None for boxes only) lands in
     the native tensor: `(offsets, sizes, data)` boxes of stage 0."""
 
-    def rec(k: int, off: list[int], size: list[int], x: torch.Tensor | None) -> list:
+    def rec(k: int, off: list[int], size: list[int], x: torch.Tensor | None) -> list[Any]:
         if k == 0:
             return [(off, size, x)]
         op, in_shape = e.ops[k - 1], e.shapes[k - 1]

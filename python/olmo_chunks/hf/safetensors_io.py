@@ -271,7 +271,8 @@ class SafetensorsDir:
         if not p.exists():
             return None
         try:
-            return json.loads(p.read_text())
+            config: dict[str, Any] = json.loads(p.read_text())
+            return config
         except json.JSONDecodeError as exc:
             raise CorruptCheckpointError(f"{p}: not JSON ({exc})") from None
 

@@ -122,7 +122,7 @@ class OlmoChunksCheckpointer(Checkpointer):
         )
         assert isinstance(future, Future)
 
-        def mark_complete(fut: Future) -> None:
+        def mark_complete(fut: Future[Any]) -> None:
             if fut.exception() is None:
                 self._save_metadata(dir, CheckpointMetadata(ephemeral=ephemeral))
 

@@ -62,12 +62,12 @@ class ChunkStoreCheckpointManager(CheckpointManager):
     @torch.no_grad()
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False,
-                 to_hf: bool = False) -> Future | AsyncSaveResponse | None:
+                 to_hf: bool = False) -> Future[Any] | AsyncSaveResponse | None:
         if to_hf:  # an HF safetensors export stays torchtitan's
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         pg = self.pg if async_mode == AsyncMode.ASYNC else None
         writer = ChunkStoreWriter(checkpoint_id, process_group=pg, peer_timeout=self.peer_timeout)
-        ret: Future | AsyncSaveResponse | None = None
+        ret: Future[Any] | AsyncSaveResponse | None = None
         if async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=pg)
         else:  # torchtitan's call shapes (its unit tests patch dcp.save and match on them)
