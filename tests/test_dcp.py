@@ -745,6 +745,7 @@ def test_import_dcp_reads_olmo_cores_storage_info_without_importing_it(tmp_path,
     length): import-dcp reads it as DCP's, bit-exact, with OLMo-core's module never imported; any
     other class of that module stays refused."""
     import dataclasses
+    import importlib.util
     import sys
     import types
 
@@ -762,10 +763,20 @@ def test_import_dcp_reads_olmo_cores_storage_info_without_importing_it(tmp_path,
 
     _StorageInfo.__module__, _StorageInfo.__qualname__ = fake.__name__, "_StorageInfo"
     fake._StorageInfo = _StorageInfo
-    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    def write_metadata() -> None:
+        """Pickles `md` as OLMo-core would, with the fake module (and its packages, where OLMo-core
+        is not installed) importable only meanwhile."""
+        with monkeypatch.context() as m:
+            parts = fake.__name__.split(".")
+            if importlib.util.find_spec(parts[0]) is None:
+                for name in (".".join(parts[:i]) for i in range(1, len(parts))):
+                    m.setitem(sys.modules, name, types.ModuleType(name))
+            m.setitem(sys.modules, fake.__name__, fake)
+            (src / ".metadata").write_bytes(pickle.dumps(md))
+
     md.storage_data = {k: _StorageInfo(v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
-    (src / ".metadata").write_bytes(pickle.dumps(md))
-    monkeypatch.delitem(sys.modules, fake.__name__)
+    write_metadata()
     assert import_dcp(src, tmp_path / "out")["tensors"] == 2
     assert fake.__name__ not in sys.modules
     back = {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.int64), "step": 0}
@@ -774,9 +785,7 @@ def test_import_dcp_reads_olmo_cores_storage_info_without_importing_it(tmp_path,
 
     _StorageInfo.__qualname__ = _StorageInfo.__name__ = "Other"
     fake.Other = _StorageInfo
-    monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    (src / ".metadata").write_bytes(pickle.dumps(md))
-    monkeypatch.delitem(sys.modules, fake.__name__)
+    write_metadata()
     with pytest.raises(UnsupportedFormatError, match=r"olmo_core\.distributed\.checkpoint\.filesystem\.Other"):
         import_dcp(src, tmp_path / "out2")
 
