@@ -500,7 +500,8 @@ class Group:
         self.dead.add(-1 if host is None else host)
         who = f"rank {host}" if host is not None else "global rank 0"
         return RankFailedError(f"{who} died or stopped responding: the rendezvous store it hosts is gone "
-                               f"({_describe(exc)})", rank=host, dead=True)
+                               f"({_describe(exc)}); the process group is unusable without it: restart the job",
+                               rank=host, dead=True)
 
     def check_same(self, gathered: Sequence[dict[str, Any]], what: str) -> None:
         """Rank 0: raises `InvalidArgumentError` if the ranks passed different arguments."""

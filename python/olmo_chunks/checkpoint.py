@@ -171,33 +171,25 @@ def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any]]]
     problems: list[str] = []
     schema: dict[str, tuple[Any, ...]] = {}
     entries: dict[str, Any] = {}
-    holders: dict[tuple[str, tuple[Any, ...]], list[int]] = {}
-    sizes: dict[tuple[str, tuple[Any, ...]], int] = {}
+    ids: dict[tuple[str, tuple[Any, ...]], int] = {}  # a chunk's replicas share its id
+    held: list[list[tuple[int, int]]] = []  # per rank, (id, bytes) in its local chunk order
     for rank, (tensors, plain) in enumerate(gathered):
-        i = 0  # position in the rank's local chunk list, which follows this same order
+        held.append([])
         for key, (dtype, shape, role, regions) in tensors.items():
             seen = schema.setdefault(key, (dtype, shape, role))
             if seen != (dtype, shape, role):
                 problems.append(f"{key}: rank {rank} has {(dtype, shape, role)}, another rank {seen}")
             item = torch_dtype(dtype).itemsize
             for kind, a, b in regions:
-                rk = (key, (kind, tuple(a), tuple(b)))
-                holders.setdefault(rk, []).append(rank * (1 << 32) + i)
-                sizes[rk] = item * (b[0] if kind == "flat" else math.prod(b))
-                i += 1
+                chunk = ids.setdefault((key, (kind, tuple(a), tuple(b))), len(ids))
+                held[rank].append((chunk, item * (b[0] if kind == "flat" else math.prod(b))))
         for key, v in plain.items():
             entries.setdefault(key, v)
     for key in entries.keys() & schema.keys():
         problems.append(f"{key}: a tensor on some ranks and a plain value on others")
     if problems:
         raise MismatchError(problems, header="ranks disagree on the state dict to save")
-    load = [0] * len(gathered)
-    assign: list[list[int]] = [[] for _ in gathered]
-    for rk in sorted(holders, key=lambda k: -sizes[k]):
-        rank, i = divmod(min(holders[rk], key=lambda h: (load[h >> 32], h)), 1 << 32)
-        load[rank] += sizes[rk]
-        assign[rank].append(i)
-    return assign, schema, entries
+    return _core.assign_writers(held), schema, entries
 
 
 def commit_manifest(txn: _core.SaveTransaction, block_size: int, schema: Mapping[str, tuple[Any, ...]],

@@ -2,6 +2,7 @@
 //! parallel positional I/O, on local filesystems and object stores. No Python here: it works on
 //! byte slices, locations and plans.
 
+pub mod assign;
 pub mod codec;
 pub mod coop;
 pub mod dtype;

@@ -607,6 +607,14 @@ fn pace_read(py: Python<'_>, n: u64) {
     py.detach(|| core::storage::pace_read(n))
 }
 
+/// Who writes what in a save: `held[r]` lists rank `r`'s chunks as `(id, bytes)`, equal ids being
+/// replicas of one chunk; returns per rank the indices into `held[r]` it writes (each distinct
+/// chunk once, bytes balanced; `core::assign`).
+#[pyfunction]
+fn assign_writers(py: Python<'_>, held: Vec<Vec<(u64, u64)>>) -> Vec<Vec<usize>> {
+    py.detach(|| core::assign::assign_writers(&held))
+}
+
 /// Opens regular file `rel` strictly beneath directory `root` for reading, as the core opens data
 /// files (no symlink below `root` followed, never blocking on a FIFO); returns its descriptor,
 /// which the caller owns.
@@ -1354,6 +1362,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHeartbeat>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(assign_writers, m)?)?;
     m.add_function(wrap_pyfunction!(open_beneath, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(pace_read, m)?)?;

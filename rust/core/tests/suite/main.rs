@@ -1,6 +1,7 @@
 //! The core's integration tests, in one test binary (one link instead of one per file): property
 //! tests against brute-force oracles, hostile inputs, end-to-end I/O and the storage layer.
 
+mod assign_oracle;
 mod common;
 mod compressed;
 mod coop_oracle;
