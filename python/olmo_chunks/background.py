@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
-from .checkpoint import SaveSteps, data_file, staging_bytes, write_file
+from .checkpoint import SaveSteps, staging_bytes, write_file
 from .errors import OlmoChunksError
 from .shards import ChunkItem
 
@@ -104,7 +104,7 @@ def async_save(
         try:
             with steps.group, steps:
                 steps.lease()
-                name = data_file(steps.save_id, steps.group.rank, part)
+                name = _core.data_file(steps.save_id, steps.group.rank, part)
                 steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers, steps.zstd)
                                                 if batch else []))
             steps.log(t0)
@@ -137,7 +137,7 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot,
         nonlocal part
         if stream is not None:
             stream.synchronize()
-        name = data_file(steps.save_id, steps.group.rank, part)
+        name = _core.data_file(steps.save_id, steps.group.rank, part)
         written.extend(write_file(steps.target, name, items, steps.block_size, steps.workers, steps.zstd))
         part += 1
 

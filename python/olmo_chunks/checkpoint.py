@@ -141,7 +141,7 @@ def _write(path: str, save_id: str, rank: int, chunks: list[ChunkItem],
                 datas.append((key, region, host))
         if any(t.device.type != "cpu" for _, _, t in batch):
             torch.cuda.synchronize()
-        out.extend(write_file(path, data_file(save_id, rank, b), datas, block_size, workers, zstd))
+        out.extend(write_file(path, _core.data_file(save_id, rank, b), datas, block_size, workers, zstd))
         del datas
     return out
 
@@ -149,11 +149,6 @@ def _write(path: str, save_id: str, rank: int, chunks: list[ChunkItem],
 def staging_bytes(chunks: list[ChunkItem]) -> int:
     """Host bytes that staging `chunks` back to back takes (each starting at a multiple of 64)."""
     return sum(-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in chunks)
-
-
-def data_file(save_id: str, rank: int, part: int) -> str:
-    """The name of data file `part` of `rank` in save `save_id`."""
-    return f"data/{save_id}/rank-{rank:05d}" + (f"-{part:03d}" if part else "") + ".bin"
 
 
 def write_file(path: str, name: str, chunks: list[ChunkItem], block_size: int,

@@ -85,6 +85,17 @@ pub(crate) fn is_save_id(name: &str) -> bool {
 }
 
 /// True for the names of data files a save writes: `<word>-<digits>[-<digits>].bin`.
+/// The path, below the checkpoint, of data file `part` of `rank` in save `save_id`: the one place
+/// data files are named, so what [`is_data_file`] and the cleanup recognise is what saves write.
+pub fn data_file_name(save_id: &str, rank: usize, part: usize) -> String {
+    let part = if part == 0 {
+        String::new()
+    } else {
+        format!("-{part:03}")
+    };
+    format!("{DATA_DIR}/{save_id}/rank-{rank:05}{part}.bin")
+}
+
 pub(crate) fn is_data_file(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".bin") else {
         return false;
@@ -540,6 +551,23 @@ mod tests {
         assert!(is_data_file("rank-00003.bin"));
         assert!(is_data_file("rank-00003-001.bin"));
         assert!(is_data_file("import-00000.bin"));
+        let id = "0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            data_file_name(id, 3, 0),
+            format!("data/{id}/rank-00003.bin")
+        );
+        assert_eq!(
+            data_file_name(id, 3, 1),
+            format!("data/{id}/rank-00003-001.bin")
+        );
+        for (rank, part) in [(0, 0), (7, 2), (123_456, 1000)] {
+            let name = data_file_name(id, rank, part);
+            let (dir, file) = name.rsplit_once('/').unwrap();
+            assert!(
+                dir == format!("data/{id}") && is_save_id(id) && is_data_file(file),
+                "{name}"
+            );
+        }
         assert!(!is_data_file("train.jsonl"));
         assert!(!is_data_file("rank.bin"));
         assert!(!is_data_file("-1.bin"));

@@ -607,6 +607,13 @@ fn pace_read(py: Python<'_>, n: u64) {
     py.detach(|| core::storage::pace_read(n))
 }
 
+/// The path, below the checkpoint, of data file `part` of `rank` in save `save_id` (the core names
+/// every data file, so its cleanup recognises them).
+#[pyfunction]
+fn data_file(save_id: &str, rank: usize, part: usize) -> String {
+    core::txn::data_file_name(save_id, rank, part)
+}
+
 /// Who writes what in a save: `held[r]` lists rank `r`'s chunks as `(id, bytes)`, equal ids being
 /// replicas of one chunk; returns per rank the indices into `held[r]` it writes (each distinct
 /// chunk once, bytes balanced; `core::assign`).
@@ -1363,6 +1370,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(assign_writers, m)?)?;
+    m.add_function(wrap_pyfunction!(data_file, m)?)?;
     m.add_function(wrap_pyfunction!(open_beneath, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(pace_read, m)?)?;
