@@ -109,7 +109,8 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
     from olmo_chunks.errors import RankFailedError
 
     store = proto.client(args.peer_timeout, args.rtt_ms / 1000)
-    hb = _core.Heartbeat(proto.host, proto.port, f"olmo_chunks/hb/{rank}", min(2.0, args.peer_timeout / 4))
+    hb = _core.Heartbeat(proto.host, proto.port, f"olmo_chunks/hb/{rank}", min(2.0, args.peer_timeout / 4),
+                         args.peer_timeout)
     store.append("olmo_chunks/started", struct.pack("<I", rank))
     go.wait()
     times: list[float] = []

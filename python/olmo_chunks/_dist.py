@@ -180,7 +180,7 @@ class _Link:
         self.fallback = _TorchStore(store) if tcp is None else None
         key = f"{_HB}{rank}"
         if self.address is not None:
-            self.heartbeat: Any = _core.Heartbeat(self.address[0], self.address[1], key, interval)
+            self.heartbeat: Any = _core.Heartbeat(self.address[0], self.address[1], key, interval, timeout)
         else:
             assert self.fallback is not None
             self.heartbeat = _PyHeartbeat(self.fallback, key, interval)

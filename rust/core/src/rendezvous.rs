@@ -299,9 +299,16 @@ pub struct Heartbeat {
 }
 
 impl Heartbeat {
-    /// Connects (once, so that a bad address is an error here) and starts beating.
-    pub fn start(host: &str, port: u16, key: &str, interval: Duration) -> io::Result<Self> {
-        let timeout = Duration::from_secs(120);
+    /// Connects (once, so that a bad address is an error here) and starts beating; `timeout`
+    /// bounds the connect (a store whose host died refuses it: an error after `timeout`, never a
+    /// long wait) and every later call.
+    pub fn start(
+        host: &str,
+        port: u16,
+        key: &str,
+        interval: Duration,
+        timeout: Duration,
+    ) -> io::Result<Self> {
         let mut client = StoreClient::connect(host, port, timeout, Duration::ZERO)?;
         client.add(key, 1)?;
         let stop = Arc::new(AtomicBool::new(false));

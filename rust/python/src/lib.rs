@@ -1312,10 +1312,17 @@ struct PyHeartbeat {
 #[pymethods]
 impl PyHeartbeat {
     #[new]
-    fn new(py: Python<'_>, host: String, port: u16, key: String, interval: f64) -> PyResult<Self> {
-        let interval = seconds(interval)?;
+    fn new(
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        key: String,
+        interval: f64,
+        timeout: f64,
+    ) -> PyResult<Self> {
+        let (interval, timeout) = (seconds(interval)?, seconds(timeout)?);
         let inner = py
-            .detach(|| core::rendezvous::Heartbeat::start(&host, port, &key, interval))
+            .detach(|| core::rendezvous::Heartbeat::start(&host, port, &key, interval, timeout))
             .map_err(store_err)?;
         Ok(PyHeartbeat { inner })
     }
