@@ -25,7 +25,7 @@ def test_deprecations_are_errors_in_the_test_process(category):
 
 def test_deprecations_are_errors_in_gloo_workers():
     # Every world the session used is probed again at its end (tests/conftest.py).
-    assert world.run(2, world.warning_rules) == [{"DeprecationWarning": "raised", "FutureWarning": "raised"}] * 2
+    assert world.run(2, world.warning_rules) == [world.WARNINGS_RAISE] * 2
 
 
 def test_the_package_sets_no_global_warning_filter():

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["RankFailure", "WorldError", "free_port", "mesh", "run", "shutdown", "sizes", "warning_rules"]
+__all__ = [
+    "WARNINGS_RAISE", "RankFailure", "WorldError", "free_port", "mesh", "run", "shutdown", "sizes", "warning_rules",
+]
 
 # Spawning a world imports torch once per rank; on a small machine that takes a while.
 STARTUP_TIMEOUT = 300.0
@@ -95,6 +97,10 @@ def mesh(shape: tuple[int, ...]) -> DeviceMesh:
 def sizes() -> list[int]:
     """The sizes of the worlds this process has running."""
     return sorted(size for size, world in _worlds.items() if world.owner == os.getpid())
+
+
+# What `warning_rules` answers where the suite's rule holds.
+WARNINGS_RAISE = {"DeprecationWarning": "raised", "FutureWarning": "raised"}
 
 
 def warning_rules() -> dict[str, str]:

@@ -579,8 +579,8 @@ class Group:
         except (ConnectionError, TimeoutError) as exc:
             if cuda:
                 _abort_nccl(self.pg)
-            lost = self._store_lost(exc)
-            raise RankFailedError(f"{lost} (during {what}; {BROKEN_GROUP})", rank=lost.rank, dead=True) from exc
+            lost = self._store_lost(exc)  # says the group is unusable without its store
+            raise RankFailedError(f"{lost} (during {what})", rank=lost.rank, dead=True) from exc
         except BaseException as exc:
             # This rank gives up inside the collective (KeyboardInterrupt): tell the others.
             self._abort(f"{self.prefix}/{self.seq}", exc)

@@ -84,7 +84,6 @@ pub(crate) fn is_save_id(name: &str) -> bool {
     name.len() == 32 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-/// True for the names of data files a save writes: `<word>-<digits>[-<digits>].bin`.
 /// The path, below the checkpoint, of data file `part` of `rank` in save `save_id`: the one place
 /// data files are named, so what [`is_data_file`] and the cleanup recognise is what saves write.
 pub fn data_file_name(save_id: &str, rank: usize, part: usize) -> String {
@@ -96,6 +95,7 @@ pub fn data_file_name(save_id: &str, rank: usize, part: usize) -> String {
     format!("{DATA_DIR}/{save_id}/rank-{rank:05}{part}.bin")
 }
 
+/// True for the names of data files a save writes: `<word>-<digits>[-<digits>].bin`.
 pub(crate) fn is_data_file(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".bin") else {
         return false;
