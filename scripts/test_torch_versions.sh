@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The core of the suite (resharding property tests, both doors, async save, read-once, trainer
+# The core of the suite (layout and resharding property tests, both doors, async save, read-once, trainer
 # state) on each torch version given, default: the oldest pyproject.toml claims and the lock's.
 # Each version gets its own venv outside the clone, keyed like the main one (a hash of the version,
 # this file and the lock), holding that torch and the test tools only; the release abi3 wheel is
@@ -10,7 +10,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OLMO_CHUNKS_SKIP_BUILD=1 source scripts/env.sh
-CORE_TESTS=(tests/test_reshard.py tests/test_native.py tests/test_dcp.py tests/test_async_save.py
+CORE_TESTS=(tests/test_layout.py tests/test_reshard.py tests/test_native.py tests/test_dcp.py tests/test_async_save.py
             tests/test_read_once.py tests/test_trainer_state.py tests/test_resume_strict.py)
 FLOOR="$(sed -n 's/^dependencies = .*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)"
 LOCKED="$(sed -n 's/^torch==\([^+]*\).*/\1/p' requirements-lock.txt)"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from olmo_chunks.layout import Piece, dtensor_pieces, shard_pieces
+from olmo_chunks.layout import Piece, _pieces, dtensor_pieces, shard_pieces
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
@@ -235,6 +235,55 @@ def test_dtensor_pieces_follow_shard_order():
     if not hasattr(importlib.import_module("torch.distributed.tensor._dtensor_spec"), "ShardOrderEntry"):
         pytest.skip("this torch has no DTensor shard_order")
     world.run(4, shard_order_full_tensor)
+
+
+def test_strided_shard_with_the_shard_order_torch_derives_from_it():
+    """Torch 2.10 keeps (_StridedShard(0, sf=2), Shard(0)) and records beside it shard_order
+    (1, 0): the same layout told twice. Both readings agree, so the pieces are torch's."""
+    for rows in (7, 8, 11):
+        results = world.run(4, distribute_and_check, (rows, 3), (2, 2), (("SS", 0, 2), ("S", 0)))
+        assert [status for status, _ in results] == ["ok"] * 4, results
+
+
+def ambiguous_spec_pieces():
+    """_StridedShard(0, sf=3) read left to right and shard_order (1, 0) read as plain shards
+    give other rows for 7 rows at some coordinate; no reading is right, so it is refused."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
+
+    mesh = world.mesh((2, 2))
+    full = torch.arange(21).reshape(7, 3)
+    placements = (_StridedShard(0, split_factor=3), Shard(0))
+    ref = distribute_tensor(full, mesh, (Shard(0), Shard(0)))
+    order = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)
+    try:
+        spec = DTensorSpec(mesh, placements, tensor_meta=ref._spec.tensor_meta, shard_order=order)
+    except Exception as e:  # a torch that checks shard_order against the placements itself
+        return "torch refused", f"{type(e).__name__}: {e}"
+    dt = DTensor(ref.to_local(), spec, requires_grad=False)
+    try:
+        return "ours", dtensor_pieces(dt)
+    except ValueError as e:
+        return "refused", str(e)
+
+
+def test_strided_shard_with_a_contrary_shard_order_is_refused():
+    if not hasattr(importlib.import_module("torch.distributed.tensor._dtensor_spec"), "ShardOrderEntry"):
+        pytest.skip("this torch has no DTensor shard_order")
+    results = world.run(4, ambiguous_spec_pieces)
+    if all(status == "torch refused" for status, _ in results):
+        pytest.skip(f"torch refuses such a spec itself: {results[0][1]}")
+    # Ranks where both readings agree hold what either says; the others refuse.
+    coords = list(itertools.product(range(2), range(2)))
+    placements = (_StridedShard(0, split_factor=3), Shard(0))
+    for rank, (status, detail) in enumerate(results):
+        left = shard_pieces((7, 3), (2, 2), coords[rank], placements)
+        plain = _pieces((7, 3), (2, 2), coords[rank], (Shard(0), Shard(0)), (1, 0))
+        if left == plain:
+            assert (status, detail) == ("ours", left)
+        else:
+            assert status == "refused" and detail.startswith("ambiguous layout: _StridedShard in"), detail
+    assert any(status == "refused" for status, _ in results)
 
 
 def pieces_outside_mesh():

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import (
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["Piece", "dtensor_pieces", "shard_pieces"]
+__all__ = ["Piece", "dtensor_pieces", "shard_pieces", "spec_pieces"]
 
 # Half-open [start, stop) range of global indices along one tensor dim.
 _Interval = tuple[int, int]
@@ -49,28 +49,41 @@ def dtensor_pieces(dt: DTensor) -> list[Piece]:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return []
-    placements = tuple(dt.placements)
-    order = _application_order(placements, getattr(dt._spec, "shard_order", None))
-    return _pieces(tuple(dt.shape), tuple(mesh.shape), coordinate, placements, order)
+    return spec_pieces(tuple(dt.shape), tuple(mesh.shape), coordinate, tuple(dt.placements),
+                       getattr(dt._spec, "shard_order", None))
 
 
-def _application_order(placements: tuple[Placement, ...], shard_order: object) -> list[int]:
-    """Mesh dims in the order their shardings were applied.
+def spec_pieces(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: tuple[Placement, ...],
+    shard_order: object,
+) -> list[Piece]:
+    """`shard_pieces` for a DTensor spec, whose `shard_order` (torch >= 2.10) may apply the shardings
+    of one tensor dim in an order other than left to right; older torch has no such field.
 
-    Torch >= 2.10 may record on the spec a `shard_order` that applies the shardings of one tensor
-    dim in an order other than left to right; older torch has no such field.
+    Torch 2.10 keeps `_StridedShard` placements and records beside them the shard_order it decodes
+    from their split factors: two descriptions of one layout. Both are computed and must agree at
+    this coordinate (whichever torch used, these pieces are then the ones it holds); where they do
+    not, the spec is ambiguous and refused.
     """
     left_to_right = list(range(len(placements)))
     if shard_order is None:
-        return left_to_right
+        return _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right)
     entries = [tuple(entry.mesh_dims) for entry in shard_order]  # type: ignore[attr-defined]
     if all(list(mesh_dims) == sorted(mesh_dims) for mesh_dims in entries):
-        return left_to_right
-    if any(isinstance(p, _StridedShard) for p in placements):
-        raise ValueError(f"ambiguous layout: _StridedShard in {placements} with shard_order {shard_order}")
+        return _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right)
     # Shardings of different tensor dims commute, so one flat order serves them all.
     order = [mesh_dim for mesh_dims in entries for mesh_dim in mesh_dims]
-    return order + [d for d in left_to_right if d not in order]
+    order += [d for d in left_to_right if d not in order]
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return _pieces(global_shape, mesh_shape, coordinate, placements, order)
+    plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+    ordered = _pieces(global_shape, mesh_shape, coordinate, plain, order)
+    if ordered != _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right):
+        raise ValueError(f"ambiguous layout: _StridedShard in {placements} with shard_order {shard_order}")
+    return ordered
 
 
 def _pieces(

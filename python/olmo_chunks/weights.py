@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .errors import InvalidArgumentError
 from .experts import ExpertFlatView
-from .layout import Piece, _application_order, _pieces
+from .layout import Piece, spec_pieces
 from .mx import MXFP8Cache, to_mxfp8
 
 __all__ = ["compute_weights", "dtensor_weight", "expert_weight", "full_weight"]
@@ -73,10 +73,10 @@ def dtensor_weight(dt: DTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Te
         raise InvalidArgumentError(f"{placements}: a Partial DTensor is not a weight (reduce it first)")
     shape = tuple(dt.shape)
     mesh_shape = tuple(mesh.shape)
-    order = _application_order(placements, getattr(dt._spec, "shard_order", None))
+    shard_order = getattr(dt._spec, "shard_order", None)
 
     def pieces(c: Sequence[int]) -> list[Piece]:
-        return _pieces(shape, mesh_shape, c, placements, order)
+        return spec_pieces(shape, mesh_shape, c, placements, shard_order)
 
     local = _cast(dt.to_local(), dtype)
     if local.numel() != _local_numel(pieces(coord)):
