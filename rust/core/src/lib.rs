@@ -7,6 +7,7 @@ pub mod codec;
 pub mod coop;
 pub mod dtype;
 pub mod error;
+pub mod fsops;
 pub mod fsutil;
 pub mod index;
 pub mod io;

@@ -2,7 +2,6 @@
 //! table and (version 2) a block length table. `docs/FORMAT.md` is the normative description;
 //! keep the two in step.
 
-use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -503,13 +502,6 @@ impl Manifest {
     pub fn file_path(&self, dir: &Path, file: u32) -> PathBuf {
         dir.join(&self.files[file as usize].path)
     }
-}
-
-/// fsyncs a directory so a rename or create inside it is durable.
-pub fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| CoreError::io(dir, e))
 }
 
 /// True if `rel` is a relative path that stays inside its base directory.

@@ -4,17 +4,16 @@
 //! Byte counters live at this boundary: every byte read or written through a storage is counted in
 //! its `IoCounters`, and so is every request an object store is sent.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::File;
 use std::io::{IoSliceMut, Read};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CoreError, Result};
+use crate::fsops::{self, sync_dir};
 use crate::fsutil::open_beneath;
-use crate::manifest::sync_dir;
 
 /// Bytes moved through a storage, counted as they move.
 #[derive(Debug, Default)]
@@ -129,6 +128,8 @@ impl LocalFs {
 
 struct LocalObject {
     file: File,
+    /// Its name, for the journal of [`fsops`].
+    path: PathBuf,
     size: u64,
     counters: Arc<IoCounters>,
 }
@@ -158,13 +159,13 @@ impl Object for LocalObject {
     }
 
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
-        self.file.write_all_at(data, offset)?;
+        fsops::write_at(&self.file, &self.path, data, offset)?;
         self.counters.add_written(data.len() as u64);
         Ok(())
     }
 
     fn sync(&self) -> std::io::Result<()> {
-        self.file.sync_all()
+        fsops::sync(&self.file, &self.path)
     }
 }
 
@@ -181,6 +182,7 @@ impl Storage for LocalFs {
             .len();
         Ok(Box::new(LocalObject {
             file,
+            path: self.name(rel),
             size,
             counters: self.counters.clone(),
         }))
@@ -198,17 +200,13 @@ impl Storage for LocalFs {
     fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>> {
         let path = self.name(rel);
         if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent).map_err(|e| CoreError::io(parent, e))?;
+            fsops::create_dir_all(parent).map_err(|e| CoreError::io(parent, e))?;
         }
-        let file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(|e| CoreError::io(&path, e))?;
-        file.set_len(size).map_err(|e| CoreError::io(&path, e))?;
+        let file = fsops::create(&path, false).map_err(|e| CoreError::io(&path, e))?;
+        fsops::set_len(&file, &path, size).map_err(|e| CoreError::io(&path, e))?;
         Ok(Box::new(LocalObject {
             file,
+            path,
             size,
             counters: self.counters.clone(),
         }))

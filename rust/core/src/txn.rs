@@ -6,7 +6,7 @@
 //! it for object stores.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,8 +15,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
 use crate::error::{CoreError, Result};
+use crate::fsops::{self, sync_dir};
 use crate::load::check_manifest_coverage;
-use crate::manifest::{sync_dir, Manifest, MANIFEST_NAME};
+use crate::manifest::{Manifest, MANIFEST_NAME};
 use crate::save::{assemble_manifest, SavedChunk, TensorSchema};
 use serde_json::value::RawValue;
 
@@ -24,6 +25,9 @@ use serde_json::value::RawValue;
 pub const LEASE_NAME: &str = ".olmo_chunks.lease";
 /// Temporary manifests are `TMP_PREFIX + save_id` until renamed over the manifest.
 pub const TMP_PREFIX: &str = ".olmo_chunks.manifest.tmp-";
+/// A dead writer's lease, moved aside by the save breaking it, is `<this><breaker's save id>`
+/// until removed (by that save, or by the next one if it died in between).
+pub const STALE_LEASE_PREFIX: &str = ".olmo_chunks.lease.stale-";
 /// Data of one save lives in `data/<save_id>/`.
 pub const DATA_DIR: &str = "data";
 
@@ -285,7 +289,7 @@ impl SaveTxn {
             }
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?
+                fsops::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?
             }
             Err(e) => return Err(CoreError::io(dir, e)),
         }
@@ -331,10 +335,10 @@ impl SaveTxn {
         if let Some(live) = live {
             remove_saves(&self.dir, |id| !live.iter().any(|l| l == id));
         }
-        remove_temp_manifests(&self.dir);
+        remove_leftover_files(&self.dir);
         let data = self.dir.join(DATA_DIR);
         let mine = data.join(&self.save_id);
-        fs::create_dir_all(&mine).map_err(|e| CoreError::io(&mine, e))?;
+        fsops::create_dir_all(&mine).map_err(|e| CoreError::io(&mine, e))?;
         sync_dir(&data)?;
         sync_dir(&self.dir)
     }
@@ -360,18 +364,13 @@ impl SaveTxn {
         self.check_lease()?;
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}", self.save_id));
         let bytes = m.encode();
-        let write = || -> std::io::Result<()> {
-            let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()
-        };
-        if let Err(e) = write() {
-            let _ = fs::remove_file(&tmp);
+        if let Err(e) = fsops::write_new(&tmp, &bytes) {
+            let _ = fsops::remove_file(&tmp);
             return Err(CoreError::io(&tmp, e));
         }
         self.check_lease()?;
         let dst = self.dir.join(MANIFEST_NAME);
-        fs::rename(&tmp, &dst).map_err(|e| CoreError::io(&dst, e))?;
+        fsops::rename(&tmp, &dst).map_err(|e| CoreError::io(&dst, e))?;
         self.finished = true;
         sync_dir(&self.dir)?;
         let id = self.save_id.clone();
@@ -389,7 +388,7 @@ impl SaveTxn {
         self.finished = true;
         let id = self.save_id.clone();
         remove_saves(&self.dir, |other| other == id);
-        let _ = fs::remove_file(self.dir.join(format!("{TMP_PREFIX}{}", self.save_id)));
+        let _ = fsops::remove_file(&self.dir.join(format!("{TMP_PREFIX}{}", self.save_id)));
         self.release();
     }
 
@@ -411,7 +410,7 @@ impl SaveTxn {
         self.heartbeat.stop();
         let lease = self.dir.join(LEASE_NAME);
         if read_lease(&lease).is_ok_and(|(t, _)| t == self.token) {
-            let _ = fs::remove_file(&lease);
+            let _ = fsops::remove_file(&lease);
         }
     }
 }
@@ -441,15 +440,7 @@ impl Drop for SaveTxn {
 /// for `timeout`, or a local process that no longer exists).
 fn acquire(path: &Path, token: &str, save_id: &str, timeout: Duration) -> Result<()> {
     for _ in 0..3 {
-        let created = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .and_then(|mut f| {
-                f.write_all(token.as_bytes())?;
-                f.sync_all()
-            });
-        match created {
+        match fsops::write_new(path, token.as_bytes()) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(CoreError::io(path, e)),
@@ -481,9 +472,9 @@ fn acquire(path: &Path, token: &str, save_id: &str, timeout: Duration) -> Result
             });
         }
         // Break the dead writer's lease: move it aside (atomic), then try again.
-        let aside = path.with_file_name(format!("{LEASE_NAME}.stale-{save_id}"));
-        if fs::rename(path, &aside).is_ok() {
-            let _ = fs::remove_file(&aside);
+        let aside = path.with_file_name(format!("{STALE_LEASE_PREFIX}{save_id}"));
+        if fsops::rename(path, &aside).is_ok() {
+            let _ = fsops::remove_file(&aside);
         }
     }
     Err(CoreError::Locked {
@@ -518,23 +509,25 @@ fn remove_saves(dir: &Path, doomed: impl Fn(&str) -> bool) {
     for e in entries.flatten() {
         let p = e.path();
         if e.file_name().to_str().is_some_and(&doomed) && is_our_save_dir(&p) {
-            let _ = fs::remove_dir_all(&p);
+            let _ = fsops::remove_dir_all(&p);
         }
     }
 }
 
-fn remove_temp_manifests(dir: &Path) {
+/// Removes the temp manifests and moved-aside leases that saves which died left in `dir`.
+fn remove_leftover_files(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        let is_tmp = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(TMP_PREFIX))
-            .is_some_and(is_save_id);
-        if is_tmp && e.file_type().is_ok_and(|t| t.is_file()) {
-            let _ = fs::remove_file(e.path());
+        let leftover = name.to_str().is_some_and(|n| {
+            [TMP_PREFIX, STALE_LEASE_PREFIX]
+                .iter()
+                .any(|prefix| n.strip_prefix(prefix).is_some_and(is_save_id))
+        });
+        if leftover && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = fsops::remove_file(&e.path());
         }
     }
 }

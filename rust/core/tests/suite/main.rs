@@ -5,6 +5,7 @@ mod assign_oracle;
 mod common;
 mod compressed;
 mod coop_oracle;
+mod crash_states;
 mod hostile_files;
 mod index_oracle;
 mod io_roundtrip;
