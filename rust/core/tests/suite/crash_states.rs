@@ -21,11 +21,9 @@ use std::time::{Duration, SystemTime};
 
 use olmo_chunks_core::fsops::{Journal, Op};
 use olmo_chunks_core::txn::{DATA_DIR, LEASE_NAME, TMP_PREFIX};
-use olmo_chunks_core::{
-    verify_all, write_chunks, Manifest, Region, SaveOptions, SaveTxn, WriteItem, MANIFEST_NAME,
-};
+use olmo_chunks_core::{verify_all, Manifest, Region, SaveOptions, SaveTxn, MANIFEST_NAME};
 
-use crate::common::{assemble_manifest, tensor_chunk_data, SavedTensor, Seeded};
+use crate::common::{tensor_chunk_data, write_save, SavedTensor, Seeded};
 
 /// Every path below a root: a directory (`None`) or a file's bytes.
 type State = BTreeMap<PathBuf, Option<Vec<u8>>>;
@@ -77,25 +75,7 @@ fn save(dir: &Path, salt: u8, commit: bool) -> Version {
         lease_timeout: Duration::from_secs(1),
     };
     let mut txn = SaveTxn::begin(dir, opts).unwrap();
-    let prefix = txn.data_prefix();
-    let paths: Vec<String> = (0..2)
-        .map(|i| format!("{prefix}/rank-{i:05}.bin"))
-        .collect();
-    let items: Vec<WriteItem<'_>> = data
-        .iter()
-        .enumerate()
-        .map(|(i, d)| WriteItem {
-            file: i % 2,
-            data: d,
-        })
-        .collect();
-    let (written, files) = write_chunks(dir, &paths, &items, BLOCK, 2).unwrap();
-    let placed = written
-        .into_iter()
-        .map(|w| (w.file, w.offset, w.len, w.checksums))
-        .collect();
-    let mut m = assemble_manifest(&tensors, placed, files, BLOCK);
-    m.save_id = txn.save_id().to_string();
+    let m = write_save(&txn, dir, &tensors, &data, 2, BLOCK, 2);
     if commit {
         txn.commit(&m).unwrap();
     } else {

@@ -539,6 +539,20 @@ pub fn save_bytes(
         lease_timeout: std::time::Duration::from_secs(60),
     };
     let mut txn = SaveTxn::begin(dir, opts).unwrap();
+    let m = write_save(&txn, dir, tensors, data, nfiles, block_size, workers);
+    txn.commit(&m).unwrap();
+}
+
+/// The data of [`save_bytes`] written under `txn`: returns the manifest to commit.
+pub fn write_save(
+    txn: &SaveTxn,
+    dir: &Path,
+    tensors: &[SavedTensor],
+    data: &[Vec<u8>],
+    nfiles: usize,
+    block_size: u64,
+    workers: usize,
+) -> Manifest {
     let prefix = txn.data_prefix();
     let paths: Vec<String> = (0..nfiles)
         .map(|i| format!("{prefix}/rank-{i:05}.bin"))
@@ -558,7 +572,7 @@ pub fn save_bytes(
         .collect();
     let mut m = assemble_manifest(tensors, placed, files, block_size);
     m.save_id = txn.save_id().to_string();
-    txn.commit(&m).unwrap();
+    m
 }
 
 /// Saves `tensors` with their canonical chunk bytes; returns those bytes in chunk order.
