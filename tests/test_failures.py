@@ -320,7 +320,8 @@ def test_save_beside_foreign_files_never_touches_or_lists_them(tmp_path):
     p = tmp_path / "ckpt"
     p.mkdir()
     foreign = {"model.pt": b"torch.save bytes", "README": b"user", ".olmo_chunks.manifest.tmp-notes": b"not ours",
-               ".olmo_chunks.manifest.tmp-" + "A" * 32: b"upper-case: not a save id"}
+               ".olmo_chunks.manifest.tmp-" + "A" * 32: b"upper-case: not a save id",
+               ".olmo_chunks.lease.stale-mine": b"not a save id"}
     for name, data in foreign.items():
         (p / name).write_bytes(data)
     (p / "sub").mkdir()
@@ -442,11 +443,13 @@ def test_a_failed_save_removes_its_data_and_the_next_save_cleans_what_a_killed_o
     with pytest.raises(InvalidArgumentError, match="block size"):  # fails after the lease, in the write
         olmo_chunks.save({"w": torch.ones(3)}, p, overwrite=True, block_size=0)
     assert os.listdir(p / "data") == [live]
-    # What a kill -9 leaves: a partial save directory, a temp manifest, a lease of a dead pid.
+    # What a kill -9 leaves: a partial save directory, a temp manifest, a lease of a dead pid, and
+    # (killed while breaking an older dead writer's lease) that lease moved aside.
     dead = "d" * 32
     (p / "data" / dead).mkdir()
     (p / "data" / dead / "rank-00000.bin").write_bytes(b"\0" * 100)
     (p / f".olmo_chunks.manifest.tmp-{dead}").write_bytes(b"partial")
+    (p / f".olmo_chunks.lease.stale-{dead}").write_bytes(b'{"save_id": "older"}')
     _fake_lease(p, pid=_dead_pid(), host=socket.gethostname(), age=0)
     olmo_chunks.save({"w": torch.full((3,), 2.0)}, p, overwrite=True)
     new = _core.Manifest.open(str(p)).save_id
