@@ -11,8 +11,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use crate::error::{CoreError, Result};
 
@@ -37,7 +37,12 @@ pub enum Op {
 
 static OPEN_JOURNALS: AtomicUsize = AtomicUsize::new(0);
 static JOURNALS: Mutex<Vec<(u64, PathBuf, Vec<Op>)>> = Mutex::new(Vec::new());
-static NEXT_JOURNAL: AtomicUsize = AtomicUsize::new(0);
+static NEXT_JOURNAL: AtomicU64 = AtomicU64::new(0);
+
+/// The open journals (a panic elsewhere while one was held leaves them usable).
+fn journals() -> MutexGuard<'static, Vec<(u64, PathBuf, Vec<Op>)>> {
+    JOURNALS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Records the operations made under one directory until [`Journal::finish`].
 pub struct Journal {
@@ -48,18 +53,20 @@ impl Journal {
     /// Starts recording the operations on `root` and below it.
     pub fn start(root: &Path) -> Journal {
         let root = absolutise(root);
-        let id = NEXT_JOURNAL.fetch_add(1, Ordering::Relaxed) as u64;
-        JOURNALS.lock().unwrap().push((id, root, Vec::new()));
+        let id = NEXT_JOURNAL.fetch_add(1, Ordering::Relaxed);
+        journals().push((id, root, Vec::new()));
         OPEN_JOURNALS.fetch_add(1, Ordering::SeqCst);
         Journal { id }
     }
 
     /// The operations recorded, in the order they were issued.
     pub fn finish(self) -> Vec<Op> {
-        let mut journals = JOURNALS.lock().unwrap();
-        let at = journals.iter().position(|j| j.0 == self.id).unwrap();
+        let mut journals = journals();
         OPEN_JOURNALS.fetch_sub(1, Ordering::SeqCst);
-        journals.swap_remove(at).2
+        match journals.iter().position(|j| j.0 == self.id) {
+            Some(at) => journals.swap_remove(at).2,
+            None => Vec::new(),
+        }
     }
 }
 
@@ -72,7 +79,7 @@ fn watch(paths: &[&Path]) -> Option<(u64, Vec<PathBuf>)> {
         return None;
     }
     let absolute: Vec<PathBuf> = paths.iter().map(|p| absolutise(p)).collect();
-    let journals = JOURNALS.lock().unwrap();
+    let journals = journals();
     let (id, root, _) = journals
         .iter()
         .find(|j| absolute.iter().all(|p| p.starts_with(&j.1)))?;
@@ -88,7 +95,7 @@ fn push(watched: Option<(u64, Vec<PathBuf>)>, op: impl FnOnce(Vec<PathBuf>) -> O
     let Some((id, paths)) = watched else {
         return;
     };
-    let mut journals = JOURNALS.lock().unwrap();
+    let mut journals = journals();
     if let Some(j) = journals.iter_mut().find(|j| j.0 == id) {
         j.2.push(op(paths));
     }
