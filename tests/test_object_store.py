@@ -18,6 +18,7 @@ from olmo_chunks.errors import (
     CheckpointExistsError,
     CheckpointLockedError,
     ChecksumError,
+    CorruptManifestError,
     InvalidArgumentError,
     OlmoChunksError,
 )
@@ -137,6 +138,30 @@ def test_a_missing_bucket_is_a_clear_error(s3, bucket):
         olmo_chunks.load({"w": torch.zeros(3)}, url)
     with pytest.raises(InvalidArgumentError, match=r'bucket ".*-missing" does not exist'):
         olmo_chunks.save({"w": torch.zeros(3)}, url)
+
+
+def test_an_oversized_lease_or_junk_manifest_is_refused_without_being_read(s3, bucket):
+    """Untrusted objects are bounded: a lease is refused from its size, a manifest from its 64-byte
+    header, before their bodies are fetched (they were read whole before: a 48 MiB lease and a
+    96 MiB junk manifest raised peak memory by ~192 MiB each)."""
+    client = s3.client()
+    url = f"s3://{bucket}/big-lease"
+    client.put_object(Bucket=bucket, Key="big-lease/.olmo_chunks.lease", Body=b"x" * (8 << 20))
+    before = _core.object_store_counters(url)[0]
+    with pytest.raises(InvalidArgumentError, match=r"8388608 bytes, not an olmo-chunks lease \(at most 4096\)"):
+        olmo_chunks.save({"w": torch.ones(3)}, url)
+    assert _core.object_store_counters(url)[0] - before < 1 << 20
+    url = f"s3://{bucket}/junk"
+    client.put_object(Bucket=bucket, Key="junk/olmo_chunks.manifest", Body=b"x" * (8 << 20))
+    before = _core.object_store_counters(url)[0]
+    with pytest.raises(CorruptManifestError, match="bad magic"):
+        _core.Manifest.open(url)
+    with pytest.raises(CorruptManifestError, match="bad magic"):
+        olmo_chunks.load({"w": torch.zeros(3)}, url)
+    assert _core.object_store_counters(url)[0] - before < 2 << 20
+    # A real checkpoint there still opens, its manifest read once.
+    olmo_chunks.save({"w": torch.ones(3)}, f"s3://{bucket}/fine")
+    _core.Manifest.open(f"s3://{bucket}/fine").check_coverage()
 
 
 def test_cli_inspects_and_verifies_a_url(s3, bucket):

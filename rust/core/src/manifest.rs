@@ -217,45 +217,9 @@ impl Manifest {
             path: path.to_path_buf(),
             reason,
         };
-        if bytes.len() < HEADER_LEN || &bytes[0..8] != MAGIC {
-            return Err(bad(
-                "not an olmo-chunks manifest (bad magic or too short)".into()
-            ));
-        }
+        let (meta_len, table_len, crc_len, version) =
+            check_header(bytes, bytes.len() as u64, path)?;
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
-        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
-        let version = u32_at(8);
-        if !(1..=FORMAT_VERSION).contains(&version) {
-            return Err(CoreError::UnsupportedVersion {
-                path: path.to_path_buf(),
-                found: version,
-                supported: FORMAT_VERSION,
-            });
-        }
-        if crc32c::crc32c(&bytes[0..44]) != u32_at(44) {
-            return Err(bad("header checksum mismatch".into()));
-        }
-        // Version 2 keeps its block length table's length in the first reserved field.
-        let reserved_from = if version >= 2 { 56 } else { 48 };
-        if u32_at(12) != 0 || bytes[reserved_from..HEADER_LEN].iter().any(|&b| b != 0) {
-            return Err(bad("unknown flags or non-zero reserved header bytes".into()));
-        }
-        let (meta_len, table_len, crc_len) = (u64_at(16), u64_at(24), u64_at(32));
-        let lens_len = if version >= 2 { u64_at(48) } else { 0 };
-        let expected = [meta_len, table_len, crc_len, lens_len]
-            .iter()
-            .try_fold(HEADER_LEN as u64, |a, &b| a.checked_add(b));
-        if meta_len > MAX_META_LEN || expected != Some(bytes.len() as u64) || crc_len % 4 != 0 {
-            return Err(bad(format!(
-                "section lengths {meta_len}+{table_len}+{crc_len}+{lens_len} do not match the file size {}",
-                bytes.len()
-            )));
-        }
-        if version >= 2 && lens_len != crc_len {
-            return Err(bad(format!(
-                "block length table of {lens_len} bytes for a checksum table of {crc_len}"
-            )));
-        }
         let body = &bytes[HEADER_LEN..];
         if crc32c::crc32c(body) != u32_at(40) {
             return Err(bad("body checksum mismatch".into()));
@@ -485,7 +449,9 @@ impl Manifest {
 
     /// The bytes of the committed manifest at the root of `storage`, not decoded.
     pub fn get_from(storage: &dyn crate::storage::Storage) -> Result<Vec<u8>> {
-        match storage.get(MANIFEST_NAME) {
+        let name = storage.name(MANIFEST_NAME);
+        let check = |header: &[u8], size: u64| check_header(header, size, &name).map(|_| ());
+        match storage.get_checked(MANIFEST_NAME, HEADER_LEN as u64, &check) {
             Err(CoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
                 Err(CoreError::NotACheckpoint {
                     path: storage.name(""),
@@ -502,6 +468,56 @@ impl Manifest {
     pub fn file_path(&self, dir: &Path, file: u32) -> PathBuf {
         dir.join(&self.files[file as usize].path)
     }
+}
+
+/// Checks a manifest's header (its first [`HEADER_LEN`] bytes, or fewer if the file is shorter)
+/// against the file's `size`, before the rest is read: magic, version, header checksum, reserved
+/// bytes, and section lengths that add up to `size`. Returns the metadata, chunk table and
+/// checksum table lengths and the version.
+fn check_header(header: &[u8], size: u64, path: &Path) -> Result<(u64, u64, u64, u32)> {
+    let bad = |reason: String| CoreError::CorruptManifest {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if header.len() < HEADER_LEN || &header[0..8] != MAGIC {
+        return Err(bad(
+            "not an olmo-chunks manifest (bad magic or too short)".into()
+        ));
+    }
+    let u32_at = |o: usize| u32::from_le_bytes(header[o..o + 4].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(header[o..o + 8].try_into().unwrap());
+    let version = u32_at(8);
+    if !(1..=FORMAT_VERSION).contains(&version) {
+        return Err(CoreError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    if crc32c::crc32c(&header[0..44]) != u32_at(44) {
+        return Err(bad("header checksum mismatch".into()));
+    }
+    // Version 2 keeps its block length table's length in the first reserved field.
+    let reserved_from = if version >= 2 { 56 } else { 48 };
+    if u32_at(12) != 0 || header[reserved_from..HEADER_LEN].iter().any(|&b| b != 0) {
+        return Err(bad("unknown flags or non-zero reserved header bytes".into()));
+    }
+    let (meta_len, table_len, crc_len) = (u64_at(16), u64_at(24), u64_at(32));
+    let lens_len = if version >= 2 { u64_at(48) } else { 0 };
+    let expected = [meta_len, table_len, crc_len, lens_len]
+        .iter()
+        .try_fold(HEADER_LEN as u64, |a, &b| a.checked_add(b));
+    if meta_len > MAX_META_LEN || expected != Some(size) || crc_len % 4 != 0 {
+        return Err(bad(format!(
+                "section lengths {meta_len}+{table_len}+{crc_len}+{lens_len} do not match the file size {size}"
+            )));
+    }
+    if version >= 2 && lens_len != crc_len {
+        return Err(bad(format!(
+            "block length table of {lens_len} bytes for a checksum table of {crc_len}"
+        )));
+    }
+    Ok((meta_len, table_len, crc_len, version))
 }
 
 /// True if `rel` is a relative path that stays inside its base directory.

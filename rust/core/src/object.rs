@@ -33,7 +33,7 @@ use crate::manifest::{Manifest, MANIFEST_NAME};
 use crate::storage::{IoCounters, Object, Storage};
 use crate::txn::{
     check_commit, is_data_file, is_save_id, new_save_id, owner_is_dead_here, owner_token,
-    Heartbeat, SaveOptions, Transaction, DATA_DIR, LEASE_NAME,
+    Heartbeat, SaveOptions, Transaction, DATA_DIR, LEASE_NAME, MAX_LEASE_LEN,
 };
 
 /// Parts of a multipart upload are this large (the last one smaller), or larger where a file
@@ -289,33 +289,85 @@ impl ObjectStorage {
         }
     }
 
-    /// Reads `rel` whole with its version; `None` if it does not exist.
-    fn get_versioned(&self, rel: &str) -> Result<Option<(Vec<u8>, UpdateVersion, Duration)>> {
+    /// Reads `rel` whole with its version; `None` if it does not exist. `check` sees the object's
+    /// size and its first `peek` bytes (all of it if shorter) before any more is fetched, so an
+    /// object it refuses costs one request and at most those bytes, whatever its size; the body
+    /// then streams into one buffer of that size.
+    fn get_versioned(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: &dyn Fn(&[u8], u64) -> Result<()>,
+    ) -> Result<Option<(Vec<u8>, UpdateVersion, Duration)>> {
+        let key = self.key(rel);
         let got = self.block_on(async {
-            let r = self
+            let r = match self
                 .bucket
                 .store
-                .get_opts(&self.key(rel), GetOptions::default())
-                .await?;
+                .get_opts(&key, GetOptions::default())
+                .await
+            {
+                Ok(r) => r,
+                Err(e @ object_store::Error::NotFound { .. }) if !is_missing_bucket(&e) => {
+                    return Ok(None)
+                }
+                Err(e) => return Err(self.err(rel, e)),
+            };
             let meta = r.meta.clone();
-            Ok::<_, object_store::Error>((r.bytes().await?, meta))
-        });
-        match got {
-            Ok((bytes, meta)) => {
-                let n = bytes.len() as u64;
-                self.bucket.counters.add_read(n);
-                let age = SystemTime::now()
-                    .duration_since(meta.last_modified.into())
-                    .unwrap_or(Duration::ZERO);
-                let v = UpdateVersion {
-                    e_tag: meta.e_tag,
-                    version: meta.version,
-                };
-                Ok(Some((bytes.to_vec(), v, age)))
+            let want = peek.min(meta.size) as usize;
+            if want == 0 {
+                check(&[], meta.size)?;
             }
-            Err(e @ object_store::Error::NotFound { .. }) if !is_missing_bucket(&e) => Ok(None),
-            Err(e) => Err(self.err(rel, e)),
-        }
+            let mut body = r.into_stream();
+            let mut bytes = Vec::new();
+            while let Some(part) = body.try_next().await.map_err(|e| self.err(rel, e))? {
+                let before = bytes.len();
+                bytes.extend_from_slice(&part);
+                self.bucket.counters.add_read(part.len() as u64);
+                if bytes.len() as u64 > meta.size {
+                    return Err(CoreError::io(
+                        self.name(rel),
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!(
+                                "the server sent more than the {} bytes it declared",
+                                meta.size
+                            ),
+                        ),
+                    ));
+                }
+                if before < want && bytes.len() >= want {
+                    check(&bytes[..want], meta.size)?;
+                    bytes.reserve_exact(meta.size as usize - bytes.len());
+                }
+            }
+            Ok(Some((bytes, meta)))
+        })?;
+        let Some((bytes, meta)) = got else {
+            return Ok(None);
+        };
+        let age = SystemTime::now()
+            .duration_since(meta.last_modified.into())
+            .unwrap_or(Duration::ZERO);
+        let v = UpdateVersion {
+            e_tag: meta.e_tag,
+            version: meta.version,
+        };
+        Ok(Some((bytes, v, age)))
+    }
+
+    /// [`Self::get_versioned`] of the lease: refused, unread, if larger than a lease can be.
+    fn get_lease(&self) -> Result<Option<(Vec<u8>, UpdateVersion, Duration)>> {
+        self.get_versioned(LEASE_NAME, 0, &|_, size| {
+            if size <= MAX_LEASE_LEN {
+                return Ok(());
+            }
+            Err(CoreError::InvalidArgument(format!(
+                "{}: {size} bytes, not an olmo-chunks lease (at most {MAX_LEASE_LEN}); refusing \
+                 to save there",
+                self.name(LEASE_NAME).display()
+            )))
+        })
     }
 
     /// The version of `rel`, or `None` if it does not exist.
@@ -378,7 +430,16 @@ impl Storage for ObjectStorage {
     }
 
     fn get(&self, rel: &str) -> Result<Vec<u8>> {
-        match self.get_versioned(rel)? {
+        self.get_checked(rel, 0, &|_, _| Ok(()))
+    }
+
+    fn get_checked(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: &dyn Fn(&[u8], u64) -> Result<()>,
+    ) -> Result<Vec<u8>> {
+        match self.get_versioned(rel, peek, check)? {
             Some((bytes, _, _)) => Ok(bytes),
             None => Err(CoreError::io(
                 self.name(rel),
@@ -757,7 +818,7 @@ impl ObjectSaveTxn {
     fn check_lease(&self) -> Result<()> {
         let ours = self
             .storage
-            .get_versioned(LEASE_NAME)?
+            .get_lease()?
             .is_some_and(|(t, _, _)| t == self.token.as_bytes());
         if ours && !self.heartbeat.lost.load(Ordering::Relaxed) {
             return Ok(());
@@ -774,7 +835,7 @@ impl ObjectSaveTxn {
         self.heartbeat.stop();
         let ours = self
             .storage
-            .get_versioned(LEASE_NAME)
+            .get_lease()
             .is_ok_and(|l| l.is_some_and(|(t, _, _)| t == self.token.as_bytes()));
         if ours {
             let _ = self.storage.delete(LEASE_NAME);
@@ -854,7 +915,7 @@ fn acquire(s: &ObjectStorage, token: &str, timeout: Duration) -> Result<UpdateVe
             Err(e) if exists(&e) => {}
             Err(e) => return Err(e),
         }
-        let Some((held, version, age)) = s.get_versioned(LEASE_NAME)? else {
+        let Some((held, version, age)) = s.get_lease()? else {
             continue;
         };
         let held = String::from_utf8_lossy(&held).into_owned();

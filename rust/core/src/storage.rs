@@ -103,6 +103,18 @@ pub trait Storage: Send + Sync {
     fn open(&self, rel: &str) -> Result<Box<dyn Object>>;
     /// Reads small object `rel` whole (a manifest).
     fn get(&self, rel: &str) -> Result<Vec<u8>>;
+    /// [`Storage::get`], with `check` shown the object's size and its first `peek` bytes (all of
+    /// it if shorter) before the rest is read: an object it refuses is never read whole.
+    fn get_checked(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: &dyn Fn(&[u8], u64) -> Result<()>,
+    ) -> Result<Vec<u8>> {
+        let bytes = self.get(rel)?;
+        check(&bytes[..bytes.len().min(peek as usize)], bytes.len() as u64)?;
+        Ok(bytes)
+    }
     /// Creates object `rel` of `size` bytes, fresh, for writing.
     fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>>;
     /// Makes the created objects `rels` durable, with whatever names them (their directories).
@@ -193,6 +205,27 @@ impl Storage for LocalFs {
         open_beneath(&self.root, rel)?
             .read_to_end(&mut bytes)
             .map_err(|e| CoreError::io(self.name(rel), e))?;
+        self.counters.add_read(bytes.len() as u64);
+        Ok(bytes)
+    }
+
+    fn get_checked(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: &dyn Fn(&[u8], u64) -> Result<()>,
+    ) -> Result<Vec<u8>> {
+        let mut f = open_beneath(&self.root, rel)?;
+        let io = |e| CoreError::io(self.name(rel), e);
+        let size = f.metadata().map_err(io)?.len();
+        let mut bytes = Vec::new();
+        Read::by_ref(&mut f)
+            .take(peek.min(size))
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+        check(&bytes, size)?;
+        bytes.reserve_exact(size.saturating_sub(bytes.len() as u64) as usize);
+        f.read_to_end(&mut bytes).map_err(io)?;
         self.counters.add_read(bytes.len() as u64);
         Ok(bytes)
     }

@@ -23,6 +23,9 @@ use serde_json::value::RawValue;
 
 /// The lease file: present while a save of this directory is in progress.
 pub const LEASE_NAME: &str = ".olmo_chunks.lease";
+/// A lease holds a short JSON token; no more of one is ever read (a crafted lease cannot make a
+/// save allocate more).
+pub const MAX_LEASE_LEN: u64 = 4096;
 /// Temporary manifests are `TMP_PREFIX + save_id` until renamed over the manifest.
 pub const TMP_PREFIX: &str = ".olmo_chunks.manifest.tmp-";
 /// A dead writer's lease, moved aside by the save breaking it, is `<this><breaker's save id>`
@@ -208,7 +211,9 @@ fn read_lease(path: &Path) -> std::io::Result<(String, fs::Metadata)> {
         .open(path)?;
     let md = f.metadata()?;
     let mut s = String::new();
-    Read::by_ref(&mut f).take(4096).read_to_string(&mut s)?;
+    Read::by_ref(&mut f)
+        .take(MAX_LEASE_LEN)
+        .read_to_string(&mut s)?;
     Ok((s, md))
 }
 

@@ -704,3 +704,45 @@ fn deeply_nested_entries_do_not_overflow_the_stack() {
         }
     }
 }
+
+#[test]
+fn a_large_junk_manifest_is_refused_from_its_header_without_being_read() {
+    use olmo_chunks_core::{LocalFs, Storage, MANIFEST_NAME};
+    let dir = tempfile::tempdir().unwrap();
+    let junk = vec![b'x'; 8 << 20];
+    std::fs::write(dir.path().join(MANIFEST_NAME), &junk).unwrap();
+    let storage = LocalFs::new(dir.path());
+    let refused = |needle: &str| match Manifest::open_from(&storage) {
+        Err(CoreError::CorruptManifest { reason, .. }) => {
+            assert!(reason.contains(needle), "{reason}")
+        }
+        other => panic!(
+            "expected CorruptManifest ({needle}), got {:?}",
+            other.map(|_| ())
+        ),
+    };
+    refused("bad magic");
+    // A valid header whose sections do not add up to the file's size: refused from the header.
+    let mut grown = sample().encode();
+    grown.resize(8 << 20, 0);
+    std::fs::write(dir.path().join(MANIFEST_NAME), &grown).unwrap();
+    refused("do not match the file size 8388608");
+    assert_eq!(
+        storage
+            .counters()
+            .read
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    // The real one still opens, and is read once.
+    let good = sample().encode();
+    std::fs::write(dir.path().join(MANIFEST_NAME), &good).unwrap();
+    assert_eq!(Manifest::open_from(&storage).unwrap().encode(), good);
+    assert_eq!(
+        storage
+            .counters()
+            .read
+            .load(std::sync::atomic::Ordering::Relaxed),
+        good.len() as u64
+    );
+}
