@@ -30,7 +30,7 @@ use tokio::runtime::Runtime;
 
 use crate::error::{CoreError, Result};
 use crate::manifest::{Manifest, MANIFEST_NAME};
-use crate::storage::{IoCounters, Object, Storage};
+use crate::storage::{HeadCheck, IoCounters, Object, Storage};
 use crate::txn::{
     check_commit, is_data_file, is_save_id, new_save_id, owner_is_dead_here, owner_token,
     Heartbeat, SaveOptions, Transaction, DATA_DIR, LEASE_NAME, MAX_LEASE_LEN,
@@ -297,7 +297,7 @@ impl ObjectStorage {
         &self,
         rel: &str,
         peek: u64,
-        check: &dyn Fn(&[u8], u64) -> Result<()>,
+        check: HeadCheck<'_>,
     ) -> Result<Option<(Vec<u8>, UpdateVersion, Duration)>> {
         let key = self.key(rel);
         let got = self.block_on(async {
@@ -433,12 +433,7 @@ impl Storage for ObjectStorage {
         self.get_checked(rel, 0, &|_, _| Ok(()))
     }
 
-    fn get_checked(
-        &self,
-        rel: &str,
-        peek: u64,
-        check: &dyn Fn(&[u8], u64) -> Result<()>,
-    ) -> Result<Vec<u8>> {
+    fn get_checked(&self, rel: &str, peek: u64, check: HeadCheck<'_>) -> Result<Vec<u8>> {
         match self.get_versioned(rel, peek, check)? {
             Some((bytes, _, _)) => Ok(bytes),
             None => Err(CoreError::io(

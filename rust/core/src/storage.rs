@@ -15,6 +15,10 @@ use crate::error::{CoreError, Result};
 use crate::fsops::{self, sync_dir};
 use crate::fsutil::open_beneath;
 
+/// What [`Storage::get_checked`] asks of an object before reading it whole: given its size and
+/// first bytes, refuse it or let it through.
+pub type HeadCheck<'a> = &'a dyn Fn(&[u8], u64) -> Result<()>;
+
 /// Bytes moved through a storage, counted as they move.
 #[derive(Debug, Default)]
 pub struct IoCounters {
@@ -105,12 +109,7 @@ pub trait Storage: Send + Sync {
     fn get(&self, rel: &str) -> Result<Vec<u8>>;
     /// [`Storage::get`], with `check` shown the object's size and its first `peek` bytes (all of
     /// it if shorter) before the rest is read: an object it refuses is never read whole.
-    fn get_checked(
-        &self,
-        rel: &str,
-        peek: u64,
-        check: &dyn Fn(&[u8], u64) -> Result<()>,
-    ) -> Result<Vec<u8>> {
+    fn get_checked(&self, rel: &str, peek: u64, check: HeadCheck<'_>) -> Result<Vec<u8>> {
         let bytes = self.get(rel)?;
         check(&bytes[..bytes.len().min(peek as usize)], bytes.len() as u64)?;
         Ok(bytes)
@@ -209,12 +208,7 @@ impl Storage for LocalFs {
         Ok(bytes)
     }
 
-    fn get_checked(
-        &self,
-        rel: &str,
-        peek: u64,
-        check: &dyn Fn(&[u8], u64) -> Result<()>,
-    ) -> Result<Vec<u8>> {
+    fn get_checked(&self, rel: &str, peek: u64, check: HeadCheck<'_>) -> Result<Vec<u8>> {
         let mut f = open_beneath(&self.root, rel)?;
         let io = |e| CoreError::io(self.name(rel), e);
         let size = f.metadata().map_err(io)?.len();
