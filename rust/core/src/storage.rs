@@ -200,12 +200,7 @@ impl Storage for LocalFs {
     }
 
     fn get(&self, rel: &str) -> Result<Vec<u8>> {
-        let mut bytes = Vec::new();
-        open_beneath(&self.root, rel)?
-            .read_to_end(&mut bytes)
-            .map_err(|e| CoreError::io(self.name(rel), e))?;
-        self.counters.add_read(bytes.len() as u64);
-        Ok(bytes)
+        self.get_checked(rel, 0, &|_, _| Ok(()))
     }
 
     fn get_checked(&self, rel: &str, peek: u64, check: HeadCheck<'_>) -> Result<Vec<u8>> {
