@@ -147,7 +147,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:  # noqa: PLR09
     # overwritten right after the call, the checkpoint must hold the values at the call.
     # The pool is sized to hold the whole state (the configuration async saves are made for; a
     # smaller pool makes the call write what overflows it, and the stall then includes those writes).
-    pool = oc.checkpoint.staging_bytes([("", (), t) for t in data.values()])
+    pool = oc.session.staging_bytes([("", (), t) for t in data.values()])
     for _ in range(2):  # the first call allocates the pool; the second shows the steady state
         with Sampler(device) as s:
             t0 = time.perf_counter()

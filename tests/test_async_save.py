@@ -61,23 +61,23 @@ def test_the_checkpoint_holds_the_values_at_the_call(tmp_path):
 
 
 def _failing_async_save(path: str, bad: int) -> str:
-    from olmo_chunks import background
+    from olmo_chunks.session import SaveSession
 
     rank = dist.get_rank()
     if rank == bad:
-        real = background.write_file
+        real = SaveSession.write_file
 
         def failing(*a, **k):
             raise OSError(28, "No space left on device (simulated)")
 
-        background.write_file = failing
+        SaveSession.write_file = failing
     try:
         fut = oc.async_save({"w": torch.full((8,), 2.0), f"r{rank}": torch.full((8,), 2.0)}, path,
                             overwrite=True, pool_bytes=1 << 20)
         err = fut.exception(timeout=60)
     finally:
         if rank == bad:
-            background.write_file = real
+            SaveSession.write_file = real
     sd = {k: torch.zeros(8) for k in ("w", "r0", "r1")}
     oc.load(sd, path)
     return f"{type(err).__name__}|{isinstance(err, oc.OlmoChunksError)}|{sd['w'][0].item()}|{sd['r1'][0].item()}"
@@ -133,12 +133,12 @@ def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path):
     script = textwrap.dedent(
         f"""
         import time, torch, olmo_chunks as oc
-        from olmo_chunks import checkpoint
-        real = checkpoint.commit_manifest
+        from olmo_chunks.session import SaveSession
+        real = SaveSession.commit
         def slow(*a, **k):
             time.sleep(2)
             return real(*a, **k)
-        checkpoint.commit_manifest = slow
+        SaveSession.commit = slow
         oc.async_save({{"w": torch.arange(6.0)}}, {str(tmp_path / "c")!r})
         print("returned", flush=True)
         """

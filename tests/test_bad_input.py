@@ -9,7 +9,7 @@ import numpy as np
 import olmo_chunks
 import pytest
 import torch
-from olmo_chunks import _core, checkpoint
+from olmo_chunks import _core
 from olmo_chunks.errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -23,6 +23,7 @@ from olmo_chunks.errors import (
     TruncatedDataError,
     UnsupportedFormatError,
 )
+from olmo_chunks.session import SaveSession
 
 from tests import world
 from tests.manifest_bytes import RawManifest, crc32c
@@ -261,7 +262,7 @@ def test_failed_commit_keeps_the_previous_checkpoint(ckpt: Path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(checkpoint, "commit_manifest", boom)
+    monkeypatch.setattr(SaveSession, "commit", boom)
     with pytest.raises(OSError, match="simulated"):
         olmo_chunks.save(state(seed=1), ckpt, overwrite=True)
     monkeypatch.undo()
@@ -282,13 +283,13 @@ def save_failing_on_rank(path: str, bad_rank: int, seed: int) -> str:
 
     sd = state(seed)
     if dist.get_rank() == bad_rank:
-        real = checkpoint._write
+        real = SaveSession.write
 
         def failing(*args, **kwargs):
             real(*args, **kwargs)
             raise OSError("write failed (simulated)")
 
-        checkpoint._write = failing
+        SaveSession.write = failing
     try:
         olmo_chunks.save(sd, path, overwrite=True)
         return "saved"
@@ -297,7 +298,7 @@ def save_failing_on_rank(path: str, bad_rank: int, seed: int) -> str:
     except OSError as exc:
         return f"OSError: {exc}"
     finally:
-        checkpoint._write = real if dist.get_rank() == bad_rank else checkpoint._write
+        SaveSession.write = real if dist.get_rank() == bad_rank else SaveSession.write
 
 
 def load_state(path: str, seed: int) -> bool:

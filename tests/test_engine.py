@@ -93,3 +93,48 @@ def test_the_core_refuses_inconsistent_parts(tmp_path: Path):
     with pytest.raises(olmo_chunks.InvalidArgumentError, match="described twice"):
         txn.commit(1 << 20, [_core.TensorSchema("w", "float32", [4], "tensor")] * 2, [chunk], "{}", "{}")
     assert not (tmp_path / "c" / olmo_chunks.MANIFEST_NAME).exists()
+
+
+def test_a_save_session_rolls_data_files_at_its_budget_and_commits_through_the_core(tmp_path: Path):
+    from olmo_chunks.session import SaveSession
+
+    path = str(tmp_path / "c")
+    olmo_chunks.save({"old": torch.ones(3)}, path)
+    parts = [torch.full((25,), float(i)) for i in range(5)]  # 100 bytes each
+    with SaveSession(path, rank=3, budget=250) as s:
+        s.begin(overwrite=True)
+        for i, t in enumerate(parts):
+            s.add(f"t{i}", ("box", [0], [25]), t, owned=True)  # made for the save: counts
+        s.flush()
+        # Borrowed CPU tensors cost nothing: one more file whatever their size.
+        s.write([(f"b{i}", ("box", [0], [25]), t) for i, t in enumerate(parts)])
+        names = [f"data/{s.save_id}/rank-00003{p}.bin" for p in ("", "-001", "-002", "-003")]
+        assert {c.file for c in s.written} == set(names)
+        assert [c.file for c in s.written[:5]] == names[:1] * 2 + names[1:2] * 2 + names[2:3]
+        schema = {k: ("float32", [25], "main_weight") for i in range(5) for k in (f"t{i}", f"b{i}")}
+        s.commit(schema, s.written, {}, {"writer": "test"})
+    back = {k: torch.zeros(25) for k in schema}
+    olmo_chunks.load(back, path)
+    assert all(torch.equal(back[f"{p}{i}"], parts[i]) for i in range(5) for p in "tb")
+    assert os.listdir(tmp_path / "c" / "data") == [s.save_id]  # the old save's data is gone
+
+
+def test_an_abandoned_save_session_leaves_the_checkpoint_as_it_was(tmp_path: Path):
+    from olmo_chunks.session import SaveSession
+
+    path = str(tmp_path / "c")
+    olmo_chunks.save({"w": torch.ones(3)}, path)
+    before = _core.Manifest.open(path).save_id
+    with pytest.raises(olmo_chunks.InvalidArgumentError, match="needs the save id"):
+        SaveSession(path).write_file([("w", ("box", [0], [3]), torch.zeros(3))])
+    with pytest.raises(olmo_chunks.InvalidArgumentError, match="only the coordinator commits"):
+        SaveSession(path, save_id="0" * 32).commit({}, [], {}, {})
+    with SaveSession(path) as s:
+        s.begin(overwrite=True)
+        s.write([("w", ("box", [0], [3]), torch.zeros(3))])
+        assert (tmp_path / "c" / "data" / s.save_id).is_dir()
+    assert sorted(os.listdir(tmp_path / "c" / "data")) == [before]
+    assert not (tmp_path / "c" / ".olmo_chunks.lease").exists()
+    out = {"w": torch.zeros(3)}
+    olmo_chunks.load(out, path)
+    assert torch.equal(out["w"], torch.ones(3))

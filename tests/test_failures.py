@@ -113,6 +113,7 @@ def _die_at(point: str, victim: int, rank: int, mark: str) -> None:
     if rank != victim:
         return
     from olmo_chunks import _dist, checkpoint
+    from olmo_chunks.session import SaveSession
 
     def kill() -> None:
         Path(mark).write_text(str(time.time()))
@@ -122,12 +123,12 @@ def _die_at(point: str, victim: int, rank: int, mark: str) -> None:
         orig_flatten = checkpoint.flatten
         checkpoint.flatten = lambda sd: (kill(), orig_flatten(sd))[1]
     elif point == "write":
-        checkpoint._write = lambda *a, **k: kill()
+        SaveSession.write = lambda *a, **k: kill()
     elif point == "after-write":
-        orig_write = checkpoint._write
-        checkpoint._write = lambda *a, **k: (orig_write(*a, **k), kill())[0]
+        orig_write = SaveSession.write
+        SaveSession.write = lambda *a, **k: (orig_write(*a, **k), kill())[0]
     elif point == "commit":
-        checkpoint.commit_manifest = lambda *a, **k: kill()
+        SaveSession.commit = lambda *a, **k: kill()
     elif point == "load":
         orig = checkpoint.fill
         checkpoint.fill = lambda *a, **k: (kill(), orig(*a, **k))
@@ -218,12 +219,12 @@ def test_a_rank_killed_at_a_random_moment_of_a_save(tmp_path, seed):
 
 def _interrupt(rank: int, path: str, victim: int) -> str:
     if rank == victim:
-        from olmo_chunks import checkpoint
+        from olmo_chunks.session import SaveSession
 
         def boom(*a: Any, **k: Any) -> None:
             raise KeyboardInterrupt
 
-        checkpoint._write = boom
+        SaveSession.write = boom
     olmo_chunks.save(full_state(rank, 4, 2), path, overwrite=True, peer_timeout=60)
     return "done"
 
@@ -248,16 +249,16 @@ def test_a_keyboard_interrupt_on_one_rank_fails_all_at_once(tmp_path):
 
 
 def _racer(rank: int, path: str, version: int, start_at: float, hold: float) -> str:
-    from olmo_chunks import checkpoint
+    from olmo_chunks.session import SaveSession
 
     if hold:
-        orig = checkpoint._write
+        orig = SaveSession.write
 
         def slow(*a: Any, **k: Any) -> Any:
             time.sleep(hold)
             return orig(*a, **k)
 
-        checkpoint._write = slow
+        SaveSession.write = slow
     time.sleep(max(0.0, start_at - time.time()))
     try:
         olmo_chunks.save(full_state(rank, 2, version), path, overwrite=True, peer_timeout=30)
@@ -487,6 +488,7 @@ def test_loading_into_an_expanded_destination_is_refused(tmp_path):
 def _dcp_step_and_maybe_die(rank: int, path: str, step: str, victim: int, mark: str) -> str:
     import torch.distributed.checkpoint as dcp
     from olmo_chunks import dcp as door
+    from olmo_chunks.session import SaveSession
 
     if rank == victim:
         def kill(*a: Any, **k: Any) -> None:
@@ -494,7 +496,7 @@ def _dcp_step_and_maybe_die(rank: int, path: str, step: str, victim: int, mark: 
             os.kill(os.getpid(), signal.SIGKILL)
 
         if step == "save":
-            door.writer._write = kill
+            SaveSession.write = kill
         else:
             door.ChunkStoreReader._read_items = kill
     sd = full_state(rank, 4, 2)

@@ -36,6 +36,22 @@ def test_the_package_sets_no_global_warning_filter():
     assert offenders == []
 
 
+def test_no_module_imports_another_modules_private_names():
+    # One save session serves every door (olmo_chunks/session.py): no door reaches into another's
+    # private helpers. Private modules (`_core`, `_dist`) are fine; private names inside them are not.
+    import ast
+
+    pkg = ROOT / "python" / "olmo_chunks"
+    modules = {p.stem for p in pkg.rglob("*.py")} | {"_core"}
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("olmo_chunks")):
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__") and a.name not in modules]
+    assert offenders == []
+
+
 def test_deprecations_are_errors_in_subprocesses():
     code = ("import warnings\n"
             "try:\n    warnings.warn('x', DeprecationWarning)\nexcept DeprecationWarning:\n    print('raised')\n")

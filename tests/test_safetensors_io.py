@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from olmo_chunks.errors import CorruptCheckpointError, InvalidArgumentError
-from olmo_chunks.hf.safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter, contiguous_boxes
+from olmo_chunks.hf.safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter
+from olmo_chunks.hf.shapes import contiguous_boxes
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402

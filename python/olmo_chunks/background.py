@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
-from .checkpoint import SaveSteps, staging_bytes, write_file
+from .checkpoint import SaveSteps
 from .errors import OlmoChunksError
+from .session import staging_bytes
 from .shards import ChunkItem
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
@@ -91,7 +92,7 @@ def async_save(
                       block_size=block_size, workers=workers, compression=(compression, compression_level))
     try:
         chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
-        written, batch, part = _stage(steps, chunks, slot, pool_bytes)
+        batch = _stage(steps, chunks, slot, pool_bytes)
     except BaseException:
         steps.__exit__(None, None, None)
         steps.group.close(failing=True)
@@ -100,13 +101,16 @@ def async_save(
     future.set_running_or_notify_cancel()
     slot.future = future
 
+    def write() -> list[_core.WrittenChunk]:
+        if batch:
+            steps.session.write_file(batch)
+        return steps.session.written
+
     def finish() -> None:
         try:
             with steps.group, steps:
                 steps.lease()
-                name = _core.data_file(steps.save_id, steps.group.rank, part)
-                steps.commit(lambda: written + (write_file(steps.target, name, batch, block_size, workers, steps.zstd)
-                                                if batch else []))
+                steps.commit(write)
             steps.log(t0)
             future.set_result(None)
         except BaseException as exc:
@@ -120,28 +124,23 @@ def async_save(
     return future
 
 
-def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot,
-           pool_bytes: int) -> tuple[list[_core.WrittenChunk], list[ChunkItem], int]:
-    """Copies `chunks` into the pool. Returns what was already written (when the pool overflowed),
-    the batch left in the pool for the background write, and the number of data files used."""
-    sizes = [t.numel() * t.element_size() for _, _, t in chunks]
+def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: int) -> list[ChunkItem]:
+    """Copies `chunks` into the pool, writing it out (through the session) whenever it is full.
+    Returns the batch left in the pool for the background write."""
     cuda = any(t.is_cuda for _, _, t in chunks)
     need = staging_bytes(chunks)
     pool = slot.buffer(need, pool_bytes, cuda and torch.cuda.is_available()) if need else None
     stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
-    written: list[_core.WrittenChunk] = []
     batch: list[ChunkItem] = []
-    part, at = 0, 0
+    at = 0
 
     def flush(items: list[ChunkItem]) -> None:
-        nonlocal part
         if stream is not None:
             stream.synchronize()
-        name = _core.data_file(steps.save_id, steps.group.rank, part)
-        written.extend(write_file(steps.target, name, items, steps.block_size, steps.workers, steps.zstd))
-        part += 1
+        steps.session.write_file(items)
 
-    for (key, region, t), n in zip(chunks, sizes, strict=True):
+    for key, region, t in chunks:
+        n = t.numel() * t.element_size()
         if pool is None or n > pool.numel():  # larger than the whole pool: written from itself
             src = t if t.device.type == "cpu" else t.to("cpu")
             flush([(key, region, src.contiguous())])
@@ -161,7 +160,7 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot,
         at += n
     if stream is not None:
         stream.synchronize()
-    return written, batch, part
+    return batch
 
 
 def _group_key(process_group: dist.ProcessGroup | None) -> str:

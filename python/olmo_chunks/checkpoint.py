@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import _core, errors, values
@@ -21,6 +19,7 @@ from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFa
 from .fill import STAGING_BYTES, Fill, check_read_mode, fill
 from .location import checkpoint_location
 from .roles import resolve_role
+from .session import SaveSession, staging_bytes, zstd_level
 from .shards import ChunkItem, TensorShard, describe, dtype_name, is_dense, torch_dtype
 from .tree import TRAINER_PREFIX, TRAINER_RNG_PREFIX, Leaf, flatten
 
@@ -96,69 +95,6 @@ def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None) -> d
     return shards
 
 
-DEFAULT_ZSTD_LEVEL = 3
-
-
-def zstd_level(compression: str | None, level: int | None = None) -> int | None:
-    """The zstd level a save's `compression` / `compression_level` arguments ask for (None: raw)."""
-    if compression is None:
-        if level is not None:
-            raise InvalidArgumentError(f"compression_level={level} needs compression='zstd'")
-        return None
-    if compression != "zstd":
-        raise InvalidArgumentError(f"compression={compression!r}: only 'zstd' (or None) is supported")
-    return DEFAULT_ZSTD_LEVEL if level is None else level
-
-
-def _write(path: str, save_id: str, rank: int, chunks: list[ChunkItem],
-           block_size: int, workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
-    """Writes this rank's chunks `(key, region, data)`, compressed with zstd at level `zstd` when
-    given; returns where each went.
-
-    CPU tensors are written from their own memory. Accelerator tensors go through pinned host
-    buffers of at most STAGING_BYTES at a time, one data file per batch."""
-    out: list[_core.WrittenChunk] = []
-    batches: list[list[ChunkItem]] = [[]]
-    staged = 0
-    for item in chunks:
-        nbytes = item[2].numel() * item[2].element_size()
-        if item[2].device.type != "cpu" and staged and staged + nbytes > STAGING_BYTES:
-            batches.append([])
-            staged = 0
-        batches[-1].append(item)
-        if item[2].device.type != "cpu":
-            staged += nbytes
-    for b, batch in enumerate(batches):
-        if not batch:
-            continue
-        datas = []
-        for key, region, t in batch:
-            if t.device.type == "cpu":
-                datas.append((key, region, t.contiguous()))
-            else:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                host.copy_(t, non_blocking=True)
-                datas.append((key, region, host))
-        if any(t.device.type != "cpu" for _, _, t in batch):
-            torch.cuda.synchronize()
-        out.extend(write_file(path, _core.data_file(save_id, rank, b), datas, block_size, workers, zstd))
-        del datas
-    return out
-
-
-def staging_bytes(chunks: list[ChunkItem]) -> int:
-    """Host bytes that staging `chunks` back to back takes (each starting at a multiple of 64)."""
-    return sum(-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in chunks)
-
-
-def write_file(path: str, name: str, chunks: list[ChunkItem], block_size: int,
-               workers: int | None, zstd: int | None = None) -> list[_core.WrittenChunk]:
-    """Writes contiguous CPU chunks `(key, region, data)` into one fresh data file `name`."""
-    items = [(key, kind, list(a), list(b), t.data_ptr(), t.numel() * t.element_size())
-             for key, (kind, a, b), t in chunks]
-    return _core.write_chunks(path, name, items, block_size, workers, zstd)
-
-
 def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any]]]
           ) -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
     """Rank 0: check that ranks agree on every tensor, merge plain entries, and give every distinct
@@ -185,22 +121,6 @@ def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any]]]
     if problems:
         raise MismatchError(problems, header="ranks disagree on the state dict to save")
     return _core.assign_writers(held), schema, entries
-
-
-def commit_manifest(txn: _core.SaveTransaction, block_size: int, schema: Mapping[str, tuple[Any, ...]],
-                    chunks: Iterable[_core.WrittenChunk], entries: Mapping[str, Any],
-                    info: Mapping[str, Any]) -> _core.Manifest:
-    """Commits save `txn`: `schema` maps every key to `(dtype, shape, role)`, `chunks` is what the
-    ranks wrote, `entries` the encoded plain values, `info` free-form information (creation time
-    and torch version are added). The core assembles, checks and commits the manifest."""
-    meta_info = {"created_unix": time.time(), "torch": torch.__version__, **info}
-    return txn.commit(
-        block_size,
-        [_core.TensorSchema(key, *schema[key]) for key in schema],
-        list(chunks),
-        json.dumps(entries, allow_nan=False),
-        json.dumps(values.encode(meta_info, "info"), allow_nan=False),
-    )
 
 
 def save(
@@ -241,29 +161,31 @@ def save(
             group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size, workers=workers,
             compression=(compression, compression_level)) as steps:
         chunks = steps.plan(state_dict)
-        steps.commit(lambda: _write(steps.target, steps.save_id, steps.group.rank, chunks, block_size, workers,
-                                    steps.zstd))
+        steps.commit(lambda: steps.session.write(chunks))
     steps.log(t0)
 
 
 class SaveSteps:
     """One collective save in its steps, shared by `save` and `async_save`: `plan` (every rank
     describes its state, rank 0 checks and plans it and takes the path's lease, unless told to
-    leave that to `lease`) and `commit` (every rank writes its share, rank 0 commits). Leaving the
-    `with` block without a commit abandons the save, leaving the path as it was."""
+    leave that to `lease`) and `commit` (every rank writes its share through `session`, rank 0
+    commits). Leaving the `with` block without a commit abandons the save, leaving the path as it
+    was."""
 
     def __init__(self, group: Group, path: str | os.PathLike[str], *, roles: Mapping[str, str] | None,
                  info: Mapping[str, Any] | None, overwrite: bool, block_size: int, workers: int | None,
                  compression: tuple[str | None, int | None] = (None, None)) -> None:
-        self.group, self.target = group, checkpoint_location(path)
+        self.group = group
+        self.session = SaveSession(checkpoint_location(path), rank=group.rank, block_size=block_size, workers=workers)
         self.roles, self.info, self.overwrite = roles, dict(info or {}), overwrite
-        self.block_size, self.workers = block_size, workers
         # Checked in the first step (`plan`), where a bad value fails every rank.
         self.compression = compression
-        self.zstd: int | None = None
-        self.save_id = ""
         self.nbytes = 0
-        self._root: dict[str, Any] = {}
+        self._plan: dict[str, Any] = {}
+
+    @property
+    def target(self) -> str:
+        return self.session.target
 
     def plan(self, state_dict: Mapping[str, Any], *,
              defer_lease_within: int | None = None) -> list[ChunkItem]:
@@ -273,7 +195,7 @@ class SaveSteps:
         local: dict[str, Any] = {}
 
         def describe_local() -> tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]:
-            self.zstd = zstd_level(*self.compression)
+            self.session.zstd = zstd_level(*self.compression)
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
             tensors: dict[str, tuple[Any, ...]] = {}
@@ -290,27 +212,25 @@ class SaveSteps:
         def begin(gathered: list[tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]]
                   ) -> list[tuple[str, list[int]]]:
             self.group.check_same([args for *_, args in gathered], f"saving to {self.target}")
-            assign, self._root["schema"], self._root["entries"] = _plan([(t, p) for t, p, *_ in gathered])
+            assign, self._plan["schema"], self._plan["entries"] = _plan([(t, p) for t, p, *_ in gathered])
             save_id = "" if all(fits for _, _, fits, _ in gathered) else self._take_lease()
             return [(save_id, mine) for mine in assign]
 
-        _, (self.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
+        _, (self.session.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
         return [local["chunks"][i] for i in mine]
 
     def args(self) -> dict[str, Any]:
         """The arguments every rank must pass alike."""
-        return {"path": self.target, "overwrite": self.overwrite, "block_size": self.block_size,
-                "compression": self.zstd}
+        s = self.session
+        return {"path": s.target, "overwrite": self.overwrite, "block_size": s.block_size, "compression": s.zstd}
 
     def lease(self) -> None:
         """Takes the path's lease if `plan` left it (collective)."""
-        if not self.save_id:
-            _, self.save_id = self.group.exchange(None, lambda _: self._take_lease())
+        if not self.session.save_id:
+            _, self.session.save_id = self.group.exchange(None, lambda _: self._take_lease())
 
     def _take_lease(self) -> str:
-        txn = self._root["txn"] = _core.SaveTransaction.begin(self.target, self.overwrite,
-                                                              self.group.peer_timeout)
-        return txn.save_id
+        return self.session.begin(self.overwrite, self.group.peer_timeout)
 
     def commit(self, write: Callable[[], list[_core.WrittenChunk]]) -> None:
         """Runs `write` (this rank's share) on every rank; rank 0 then commits the manifest."""
@@ -318,22 +238,21 @@ class SaveSteps:
         def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
             self.nbytes = sum(c.nbytes for written in all_written for c in written)
             info = {"writer": "olmo_chunks", "world_size": self.group.size, **self.info}
-            commit_manifest(self._root["txn"], self.block_size, self._root["schema"], itertools.chain(*all_written),
-                            self._root["entries"], info)
+            self.session.commit(self._plan["schema"], itertools.chain(*all_written), self._plan["entries"], info)
 
         try:
             self.group.exchange(write, commit)
         except RankFailedError as exc:
-            if not (exc.dead and exc.rank == 0 and self.save_id and self._committed()):
+            if not (exc.dead and exc.rank == 0 and self.session.save_id and self._committed()):
                 raise
             # Rank 0 (the store's host) died after committing, before this rank read the outcome:
             # the checkpoint at the path tells it.
-            log.warning("olmo-chunks: rank 0 died after committing save %s to %s", self.save_id, self.target)
+            log.warning("olmo-chunks: rank 0 died after committing save %s to %s", self.session.save_id, self.target)
 
     def _committed(self) -> bool:
         """True if the checkpoint at the path is this save's."""
         try:
-            return _core.Manifest.open(self.target).save_id == self.save_id
+            return _core.Manifest.open(self.target).save_id == self.session.save_id
         except OlmoChunksError:
             return False
 
@@ -346,8 +265,7 @@ class SaveSteps:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if "txn" in self._root:
-            self._root["txn"].abort()  # a no-op after the commit
+        self.session.abort()  # a no-op after the commit, and off the coordinator
 
 
 def load(

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .. import _core
-from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -37,7 +36,8 @@ from ..errors import (
 )
 from ..location import checkpoint_location
 from ..roles import resolve_role
-from ..shards import ChunkItem, dtype_name
+from ..session import SaveSession, zstd_level
+from ..shards import dtype_name
 from .values import encode_object, group_entries
 
 # Globals a DCP `.metadata` pickle may name; anything else is refused.
@@ -161,10 +161,7 @@ def import_dcp(  # noqa: PLR0915
     storage: Mapping[MetadataIndex, Any] = md.storage_data
     schema: dict[str, tuple[Any, ...]] = {}
     leaves: dict[str, Any] = {}
-    written: list[_core.WrittenChunk] = []
-    pending: list[ChunkItem] = []
-    pending_bytes = 0
-    nfile = 0
+    session = SaveSession(dst, block_size=block_size, workers=workers, zstd=zstd, budget=batch_bytes)
     handles: dict[str, Any] = {}
     files = contextlib.ExitStack()
 
@@ -198,16 +195,7 @@ def import_dcp(  # noqa: PLR0915
             raise TruncatedDataError(f"{src / rel}: truncated at {what}")
         return raw
 
-    def flush() -> None:
-        nonlocal pending, pending_bytes, nfile
-        if pending:
-            out = _write(dst, txn.save_id, nfile, pending, block_size, workers, zstd)
-            written.extend(out)
-            nfile += 1
-        pending, pending_bytes = [], 0
-
     def import_tensor(fqn: str, smd: TensorStorageMetadata) -> None:
-        nonlocal pending_bytes
         dtype = smd.properties.dtype
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{src}: {fqn} has no valid dtype")
@@ -228,14 +216,10 @@ def import_dcp(  # noqa: PLR0915
                     f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
                     f"its metadata ({dtype}, {tuple(chunk.sizes)})"
                 )
-            nbytes = t.numel() * t.element_size()
-            if pending and pending_bytes + nbytes > batch_bytes:
-                flush()
-            pending.append((fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t.contiguous()))
-            pending_bytes += nbytes
+            session.add(fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t, owned=True)
 
-    txn = _core.SaveTransaction.begin(dst, overwrite)
-    try:
+    with session:
+        session.begin(overwrite)
         with files:
             for fqn, smd in md.state_dict_metadata.items():
                 with _bad_metadata(src, repr(fqn)):
@@ -243,7 +227,7 @@ def import_dcp(  # noqa: PLR0915
                         leaves[fqn] = encode_object(fqn, read_raw(fqn, MetadataIndex(fqn)))
                     else:
                         import_tensor(fqn, smd)
-            flush()
+            session.flush()
         with _bad_metadata(src, "the object paths (planner_data)"):
             paths = md.planner_data if isinstance(md.planner_data, Mapping) else None
             entries = group_entries(leaves, paths, schema)
@@ -253,9 +237,7 @@ def import_dcp(  # noqa: PLR0915
                 "dcp_version": md.version,
                 **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
             }
-        m = commit_manifest(txn, block_size, schema, written, entries, info)
-    finally:
-        txn.abort()  # a no-op once committed
+        m = session.commit(schema, session.written, entries, info)
     m.check_coverage()
     nbytes = m.verify_data(workers) if verify else 0
     return {

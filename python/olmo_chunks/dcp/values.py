@@ -108,13 +108,13 @@ def _numpy_globals() -> list[Any]:
     return out + list({type(np.dtype(c)) for c in codes} - {np.dtype})
 
 
-_SAFE_GLOBALS = _numpy_globals()
+SAFE_GLOBALS = _numpy_globals()
 
 
 def encode_object(fqn: str, raw: bytes) -> Any:
     """The plain value DCP pickled for `fqn`, as tagged JSON data; refuses anything that is not."""
     try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
             value = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:
         raise InvalidArgumentError(

@@ -29,10 +29,10 @@ from torch.futures import Future
 
 from .. import _core
 from .._dist import DEFAULT_PEER_TIMEOUT, Group
-from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import InvalidArgumentError
 from ..location import checkpoint_location, is_url
 from ..roles import resolve_role
+from ..session import SaveSession, zstd_level
 from ..shards import ChunkItem, dtype_name
 from .common import check_group, data_step, is_location, path_of
 from .values import encode_object, group_entries
@@ -129,7 +129,7 @@ class ChunkStoreWriter(StorageWriter):
         self.peer_timeout = peer_timeout
         self.save_id: str | None = None
         self.is_coordinator = False
-        self._txn: _core.SaveTransaction | None = None  # the coordinator's save, begun at global planning
+        self._session: SaveSession | None = None  # the coordinator's, begun at global planning
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -142,9 +142,9 @@ class ChunkStoreWriter(StorageWriter):
 
     def _abort(self) -> None:
         """Drops the save a failed `dcp.save` left begun (its data goes, the lease is released)."""
-        if self._txn is not None:
-            self._txn.abort()
-            self._txn = None
+        if self._session is not None:
+            self._session.abort()
+            self._session = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -169,7 +169,8 @@ class ChunkStoreWriter(StorageWriter):
         assert self.path is not None
         self._abort()
         check_group(self.process_group, None, "ChunkStoreWriter", len(plans))
-        self._txn = _core.SaveTransaction.begin(str(self.path), self.overwrite, self.peer_timeout)
+        self._session = self._new_session(0)
+        self._session.begin(self.overwrite, self.peer_timeout)
         # The save id does not travel in the plans: DCP's plan cache (`enable_plan_caching`, keyed
         # by planner class) hands a rank a plan kept from an earlier save, ours or FileSystemWriter's.
         # FileSystemWriter's per-rank file prefix keeps a plan cached from this save valid for it.
@@ -188,7 +189,7 @@ class ChunkStoreWriter(StorageWriter):
 
     def _data_step(self, plan: SavePlan, planner: SavePlanner, group: Group) -> list[WriteResult]:
         """Every rank learns the coordinator's save id (the one rank holding the save), then writes."""
-        mine = self._txn.save_id if self._txn is not None else None
+        mine = self._session.save_id if self._session is not None else None
         save_id = group.exchange(lambda: mine, lambda held: next((v for v in held if v is not None), None))[1]
         return group.agree(lambda: self._write_items(save_id, plan, planner))
 
@@ -229,14 +230,14 @@ class ChunkStoreWriter(StorageWriter):
                 )
             chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
-        written = _write(self.path, save_id, rank, chunks, self.block_size, self.workers, self.zstd)
+        written = self._new_session(rank, save_id).write(chunks)
         for item, chunk in zip(chunk_items, written, strict=True):
             results.append(WriteResult(index=item.index, size_in_bytes=chunk.nbytes, storage_data=chunk))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.path is not None
-        if self._txn is None:
+        if self._session is None:
             raise InvalidArgumentError(
                 "ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)"
             )
@@ -264,9 +265,14 @@ class ChunkStoreWriter(StorageWriter):
             **self.info,
         }
         try:
-            commit_manifest(self._txn, self.block_size, schema, chunks, entries, info)
+            self._session.commit(schema, chunks, entries, info)
         finally:
             self._abort()  # a no-op once committed
+
+    def _new_session(self, rank: int, save_id: str = "") -> SaveSession:
+        assert self.path is not None
+        return SaveSession(self.path, rank=rank, save_id=save_id, block_size=self.block_size, workers=self.workers,
+                           zstd=self.zstd)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from .. import _core, values
-from ..checkpoint import _write, commit_manifest, zstd_level
 from ..errors import ConversionError, InvalidArgumentError, OlmoChunksError
 from ..location import checkpoint_location, is_url
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
+from ..session import SaveSession, zstd_level
 from ..shards import dtype_name
 from .mapping import (
     BUILTIN_MAPPINGS,
@@ -44,7 +44,8 @@ from .mapping import (
     read_planned,
     scatter_planned,
 )
-from .safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter, contiguous_boxes
+from .safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter
+from .shapes import contiguous_boxes
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -366,39 +367,17 @@ def import_hf(
         if native_dtype.setdefault(e.native_name, d) != d:
             raise ConversionError([f"{e.native_name}: built from HF tensors of different dtypes"])
         e.source.dtype = d
-    path = checkpoint_location(ckpt)
-    txn = _core.SaveTransaction.begin(path, overwrite)
-    try:
-        return _import_into(txn, path, src, plan, spec, native_dtype, config, memory_budget, workers, zstd)
-    finally:
-        txn.abort()  # a no-op after the commit
+    with SaveSession(checkpoint_location(ckpt), workers=workers, zstd=zstd, budget=memory_budget // 2) as session:
+        session.begin(overwrite)
+        return _import_into(session, src, plan, spec, native_dtype, config, memory_budget)
 
 
-def _import_into(txn: _core.SaveTransaction, path: str, src: SafetensorsDir | TensorDictSource, plan: TensorPlan,
-                 spec: MappingSpec, native_dtype: dict[str, torch.dtype], config: Mapping[str, Any] | None,
-                 memory_budget: int, workers: int | None, zstd: int | None) -> dict[str, Any]:
-    written: list[_core.WrittenChunk] = []
-    pending: list[tuple[str, tuple[str, list[int], list[int]], torch.Tensor]] = []
-    pending_bytes = 0
-    nfiles = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes, nfiles
-        if not pending:
-            return
-        chunks = [(spec.import_prefix + native, region, t) for native, region, t in pending]
-        written.extend(_write(path, txn.save_id, nfiles, chunks, _core.DEFAULT_BLOCK_SIZE, workers, zstd))
-        nfiles += 1
-        pending, pending_bytes = [], 0
-
+def _import_into(session: SaveSession, src: SafetensorsDir | TensorDictSource, plan: TensorPlan, spec: MappingSpec,
+                 native_dtype: dict[str, torch.dtype], config: Mapping[str, Any] | None,
+                 memory_budget: int) -> dict[str, Any]:
     def add(native_src: NativeSource, off: list[int], size: list[int], data: torch.Tensor) -> None:
-        nonlocal pending_bytes
         for region, d in _native_regions(native_src, off, size, data):
-            d = d.contiguous()
-            pending.append((native_src.name, region, d))
-            pending_bytes += d.numel() * d.element_size()
-        if pending_bytes >= memory_budget // 2:
-            flush()
+            session.add(spec.import_prefix + native_src.name, region, d, owned=True)
 
     by_native: dict[str, list[Planned]] = {}
     for e in plan.entries:
@@ -428,7 +407,7 @@ def _import_into(txn: _core.SaveTransaction, path: str, src: SafetensorsDir | Te
                     off = list(off)
                     off[op.dim] += plan.vocab_size
                     add(e.source, off, list(size), torch.zeros(size, dtype=e.source.dtype))
-    flush()
+    session.flush()
     schema = {
         spec.import_prefix + native: (dtype_name(native_dtype[native]), list(saved_shape), MAIN_WEIGHT)
         for native, (saved_shape, _) in plan.natives.items()
@@ -446,14 +425,14 @@ def _import_into(txn: _core.SaveTransaction, path: str, src: SafetensorsDir | Te
         "mapping": spec.name,
         "mapping_sha256": spec.sha256,
     }
-    commit_manifest(txn, _core.DEFAULT_BLOCK_SIZE, schema, written, entries, info)
+    session.commit(schema, session.written, entries, info)
     return {
         "tensors": len(schema),
         "hf_tensors": len(plan.entries),
         "mapping": spec.name,
         "vocab_size": plan.vocab_size,
         "padded_vocab_size": plan.padded_vocab_size,
-        "files": nfiles,
+        "files": session.parts,
     }
 
 

@@ -34,7 +34,7 @@ from .. import _core, values
 from ..errors import InvalidArgumentError
 from ..roles import MAIN_WEIGHT
 from ..shards import torch_dtype
-from .safetensors_io import _numel, _strides
+from .shapes import numel, strides
 
 __all__ = [
     "BUILTIN_MAPPINGS",
@@ -305,7 +305,7 @@ class NativeSource:
         """Core target pieces filling a dense buffer of box `size` at `off` (logical coords)."""
         off, size = [int(x) for x in off], [int(x) for x in size]
         if tuple(self.saved_shape) == tuple(self.shape):
-            return [(off, size, 0, _strides(size))]
+            return [(off, size, 0, strides(size))]
         out = []
         for start, length, local in _core.box_runs(list(self.shape), list(off), list(size)):
             for o, s, ls, st in _core.flat_pieces(list(self.saved_shape), start, length):
@@ -403,11 +403,11 @@ def _unflatten_shape(
         sizes.append(int(x))
     if sizes.count(-1) > 1 or not 0 <= d < len(shape):
         raise InvalidArgumentError(f"{where}: bad unflatten {arg}")
-    known = _numel([x for x in sizes if x != -1])
+    known = numel([x for x in sizes if x != -1])
     if known == 0 or shape[d] % known:
         raise InvalidArgumentError(f"{where}: cannot unflatten size {shape[d]} into {sizes}")
     sizes = [shape[d] // known if x == -1 else x for x in sizes]
-    if _numel(sizes) != shape[d]:
+    if numel(sizes) != shape[d]:
         raise InvalidArgumentError(f"{where}: cannot unflatten size {shape[d]} into {sizes}")
     return tuple(shape[:d]) + tuple(sizes) + tuple(shape[d + 1 :])
 
@@ -485,7 +485,7 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
         dtype, sshape = info.dtype, info.shape
         shaped = [tuple(saved[k][1].shape) for k in keys if len(saved[k][1].shape) != 1] or [tuple(sshape)]
         logical = shaped[0]
-        bad = [k for k in keys if _numel(saved[k][1].shape) != _numel(logical)]
+        bad = [k for k in keys if numel(saved[k][1].shape) != numel(logical)]
         if bad:
             problems.append(f"{name}: saved as {', '.join(keys)} with different element counts")
             continue
@@ -574,7 +574,7 @@ def _check_plan(plan: TensorPlan) -> None:
     for name, es in by_native.items():
         shape0 = es[0].shapes[0]
         boxes: list[tuple[list[int], list[int]]] = []
-        want = _numel(shape0)
+        want = numel(shape0)
         for e in es:
             if e.shapes[0] != shape0:
                 plan.problems.append(f"{name}: rules disagree on its shape ({shape0} vs {e.shapes[0]})")
@@ -587,7 +587,7 @@ def _check_plan(plan: TensorPlan) -> None:
                         * (plan.vocab_size if plan.vocab_size is not None else shp[op.dim])
                     )
             boxes.extend((o, s) for o, s, _ in scatter_planned(e, [0] * len(e.shape), list(e.shape), None))
-        got = sum(_numel(s) for _, s in boxes)
+        got = sum(numel(s) for _, s in boxes)
         overlap = _overlap(boxes)
         if got != want or overlap:
             why = f"overlapping parts {overlap}" if overlap else f"{got} of {want} elements mapped"
@@ -773,7 +773,7 @@ def plan_import(  # noqa: PLR0915
             if rule.ops and "unflatten" in rule.ops[0]:
                 d = int(rule.ops[0]["unflatten"].get("dim", 0))
                 k = len(rule.ops[0]["unflatten"]["sizes"])
-                saved_shape = (*s[:d], _numel(s[d : d + k]), *s[d + k :])
+                saved_shape = (*s[:d], numel(s[d : d + k]), *s[d + k :])
         if len(shape0s) != 1:
             problems.append(f"{native}: HF tensors imply different shapes {sorted(shape0s)}")
             continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
+from . import shapes
 
 __all__ = [
     "INDEX_NAME",
     "HFTensor",
     "SafetensorsDir",
     "ShardedWriter",
-    "contiguous_boxes",
     "safetensors_dtype",
     "torch_dtype_of",
 ]
@@ -68,47 +68,6 @@ def torch_dtype_of(name: str) -> torch.dtype:
         raise InvalidArgumentError(f"unknown safetensors dtype {name!r}") from None
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= int(d)
-    return out[::-1]
-
-
-def contiguous_boxes(shape: Sequence[int], max_elems: int) -> Iterator[tuple[list[int], list[int]]]:
-    """Boxes `(offsets, sizes)` that tile `shape` in row-major order, each a contiguous run of at
-    most `max_elems` elements (at least one element) of the canonical order."""
-    shape = [int(d) for d in shape]
-    max_elems = max(1, int(max_elems))
-    if not shape:
-        yield [], []
-        return
-    if 0 in shape:
-        return
-
-    def rec(prefix: list[int], dim: int) -> Iterator[tuple[list[int], list[int]]]:
-        inner = _numel(shape[dim + 1 :])
-        n = shape[dim]
-        if inner <= max_elems:
-            step = max(1, max_elems // inner)
-            for start in range(0, n, step):
-                size = min(step, n - start)
-                yield prefix + [start] + [0] * (len(shape) - dim - 1), [1] * dim + [size] + shape[dim + 1 :]
-        else:
-            for i in range(n):
-                yield from rec([*prefix, i], dim + 1)
-
-    yield from rec([], 0)
-
-
 @dataclass(frozen=True)
 class HFTensor:
     """One tensor of a safetensors directory: where its bytes lie."""
@@ -122,7 +81,7 @@ class HFTensor:
 
     @property
     def numel(self) -> int:
-        return _numel(self.shape)
+        return shapes.numel(self.shape)
 
 
 def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]], int]:  # noqa: PLR0915
@@ -179,7 +138,7 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
         ok_offs = isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
         if not (ok_shape and ok_offs) or not 0 <= offs[0] <= offs[1]:
             raise CorruptCheckpointError(f"{path}: tensor {name!r} has a bad shape or data_offsets")
-        want = _numel(shape) * _ST_DTYPES[dt].itemsize
+        want = shapes.numel(shape) * _ST_DTYPES[dt].itemsize
         if offs[1] - offs[0] != want:
             raise CorruptCheckpointError(
                 f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes, shape {shape} {dt} needs {want}"
@@ -294,9 +253,9 @@ class SafetensorsDir:
         while j > 0 and sizes[j] == shape[j]:
             j -= 1
         if all(s == 1 for s in sizes[:j]):
-            start = sum(o * st for o, st in zip(offsets, _strides(shape), strict=True))
-            return self._read_rows(t, start, _numel(sizes)).reshape(list(sizes))
-        inner = _numel(shape[1:])
+            start = sum(o * st for o, st in zip(offsets, shapes.strides(shape), strict=True))
+            return self._read_rows(t, start, shapes.numel(sizes)).reshape(list(sizes))
+        inner = shapes.numel(shape[1:])
         rows = self._read_rows(t, offsets[0] * inner, sizes[0] * inner).reshape([sizes[0], *shape[1:]])
         idx = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
         out = rows[(slice(None), *idx)]
@@ -355,7 +314,7 @@ class ShardedWriter:
         for name, dtype, shape in tensors:
             if name in self._plan:
                 raise InvalidArgumentError(f"tensor {name!r} planned twice")
-            nbytes = _numel(shape) * dtype.itemsize
+            nbytes = shapes.numel(shape) * dtype.itemsize
             if groups[-1] and size + nbytes > max_shard_bytes:
                 groups.append([])
                 size = 0

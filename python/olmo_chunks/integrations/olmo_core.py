@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from .._core import MANIFEST_NAME
 from .._dist import DEFAULT_PEER_TIMEOUT
 from ..dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner
-from ..dcp.values import _SAFE_GLOBALS
+from ..dcp.values import SAFE_GLOBALS
 from ..errors import InvalidArgumentError
 
 __all__ = ["OlmoChunksCheckpointer", "OlmoChunksCheckpointerConfig"]
@@ -151,7 +151,7 @@ class OlmoChunksCheckpointer(Checkpointer):
             for path in (f"{dir}/train/rank{get_rank()}.pt", f"{dir}/train/rank0.pt"):
                 if file_exists(path):
                     # data only (numbers, containers, tensors, numpy RNG arrays): never code
-                    with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                    with torch.serialization.safe_globals(SAFE_GLOBALS):
                         trainer_state = torch.load(cached_path(path, quiet=True), weights_only=True)
                     break
             if load_trainer_state is True and trainer_state is None:
