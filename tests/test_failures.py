@@ -309,7 +309,8 @@ def test_save_refuses_a_data_directory_it_did_not_write(tmp_path):
     p = tmp_path / "ckpt"
     (p / "data").mkdir(parents=True)
     (p / "data" / "train.jsonl").write_text("hi")
-    with pytest.raises(InvalidArgumentError, match=r"its data/ is not this store's \(found data/train.jsonl\)"):
+    refused = r"its data/ holds entries this store did not write \(found data/train.jsonl\)"
+    with pytest.raises(InvalidArgumentError, match=refused):
         olmo_chunks.save({"w": torch.ones(3)}, p)
     assert (p / "data" / "train.jsonl").read_text() == "hi"
     assert sorted(os.listdir(p)) == ["data"]

@@ -130,6 +130,7 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: i
     cuda = any(t.is_cuda for _, _, t in chunks)
     need = staging_bytes(chunks)
     pool = slot.buffer(need, pool_bytes, cuda and torch.cuda.is_available()) if need else None
+    room = min(pool.numel(), pool_bytes) if pool is not None else 0  # a kept pool may be larger
     stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]  # torch leaves it untyped
     batch: list[ChunkItem] = []
     at = 0
@@ -141,12 +142,12 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: i
 
     for key, region, t in chunks:
         n = t.numel() * t.element_size()
-        if pool is None or n > pool.numel():  # larger than the whole pool: written from itself
+        if pool is None or n > room:  # larger than the whole pool: written from itself
             src = t if t.device.type == "cpu" else t.to("cpu")
             flush([(key, region, src.contiguous())])
             continue
         at = -(-at // _ALIGN) * _ALIGN
-        if at + n > pool.numel():
+        if at + n > room:
             flush(batch)
             batch, at = [], 0
         dst = pool[at : at + n].view(t.dtype).view(t.shape)

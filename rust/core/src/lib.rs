@@ -4,6 +4,8 @@
 
 pub mod assign;
 pub mod codec;
+#[doc(hidden)]
+pub mod conformance;
 pub mod coop;
 pub mod dtype;
 pub mod error;
@@ -34,5 +36,5 @@ pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANI
 pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};
 pub use save::{assemble_manifest, SavedChunk, TensorSchema};
-pub use storage::{IoCounters, LocalFs, Object, Storage};
-pub use txn::{SaveOptions, SaveTxn, Transaction};
+pub use storage::{Entry, Head, IoCounters, LocalFs, Object, PutIf, Storage, Version};
+pub use txn::{SaveOptions, SaveTxn};

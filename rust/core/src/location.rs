@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::manifest::{Manifest, MANIFEST_NAME};
-use crate::object::{is_url, ObjectSaveTxn, ObjectStorage};
+use crate::object::{is_url, ObjectStorage};
 use crate::storage::{LocalFs, Storage};
-use crate::txn::{SaveOptions, SaveTxn, Transaction};
+use crate::txn::{SaveOptions, SaveTxn};
 
 /// The storage holding the checkpoint at `location`.
 pub fn storage_at(location: &str) -> Result<Arc<dyn Storage>> {
@@ -41,11 +41,11 @@ pub fn checkpoint_bytes(location: &str) -> Result<(Vec<u8>, Arc<dyn Storage>)> {
     Ok((bytes, storage))
 }
 
-/// Begins a save to `location` (see [`SaveTxn::begin`] and [`ObjectSaveTxn::begin`]).
-pub fn begin_save(location: &str, opts: SaveOptions) -> Result<Box<dyn Transaction>> {
-    Ok(if is_url(location) {
-        Box::new(ObjectSaveTxn::begin(location, opts)?)
+/// Begins a save to `location` (see [`SaveTxn::begin`] and [`SaveTxn::begin_on`]).
+pub fn begin_save(location: &str, opts: SaveOptions) -> Result<SaveTxn> {
+    if is_url(location) {
+        SaveTxn::begin_on(Arc::new(ObjectStorage::open(location)?), opts)
     } else {
-        Box::new(SaveTxn::begin(Path::new(location), opts)?)
-    })
+        SaveTxn::begin(Path::new(location), opts)
+    }
 }

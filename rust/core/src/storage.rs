@@ -4,12 +4,13 @@
 //! Byte counters live at this boundary: every byte read or written through a storage is counted in
 //! its `IoCounters`, and so is every request an object store is sent.
 
-use std::fs::File;
-use std::io::{IoSliceMut, Read};
+use std::fs::{self, File};
+use std::io::{ErrorKind, IoSliceMut, Read};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{CoreError, Result};
 use crate::fsops::{self, sync_dir};
@@ -98,7 +99,69 @@ pub trait Object: Send + Sync {
     fn sync(&self) -> std::io::Result<()>;
 }
 
+/// An object's version: equal versions mean nobody replaced it in between (an object store's ETag
+/// and version id; a local file's device, inode, modification time and size).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Version {
+    pub e_tag: Option<String>,
+    pub version: Option<String>,
+}
+
+/// What [`Storage::head`] tells of an object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Head {
+    pub version: Version,
+    pub size: u64,
+    /// When it was last written (a lease's heartbeat).
+    pub modified: SystemTime,
+}
+
+/// The condition of a conditional write.
+#[derive(Clone, Copy, Debug)]
+pub enum PutIf<'a> {
+    /// The object must not exist.
+    Absent,
+    /// The object must still be at this version.
+    Version(&'a Version),
+}
+
+/// What a listing finds below a prefix (relative to the storage's root, `/`-separated).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// A regular file, or an object.
+    Object(String),
+    /// A directory (local filesystems only; listed before what it holds).
+    Dir(String),
+    /// Anything else: a symbolic link (never followed), a FIFO, a device, a socket.
+    Other(String),
+}
+
+impl Entry {
+    pub fn rel(&self) -> &str {
+        match self {
+            Entry::Object(r) | Entry::Dir(r) | Entry::Other(r) => r,
+        }
+    }
+}
+
+/// A storage without the primitives of a save transaction (a test's, or a read-only one).
+fn no_txn<T>(s: &(impl Storage + ?Sized), rel: &str) -> Result<T> {
+    Err(CoreError::io(
+        s.name(rel),
+        std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "this storage cannot hold a save transaction",
+        ),
+    ))
+}
+
 /// A place checkpoints live in, addressed by paths relative to its root (`/`-separated).
+///
+/// Besides reading and writing data objects, a storage has the primitives a save transaction
+/// (`txn.rs`) is built from, as object stores have them: `head`, `list`, `delete`, a conditional
+/// `put_if` (create-if-absent, replace-if-version), `publish` (the commit) and `touch_if` (a
+/// lease's heartbeat). A local filesystem implements them with `O_EXCL`, `rename` and fsyncs of
+/// files and directories (`fsops.rs`).
 pub trait Storage: Send + Sync {
     /// What `rel` is called in errors.
     fn name(&self, rel: &str) -> PathBuf;
@@ -120,6 +183,65 @@ pub trait Storage: Send + Sync {
     fn persist(&self, rels: &[&str]) -> Result<()>;
     /// The counters of bytes moved through this storage.
     fn counters(&self) -> &Arc<IoCounters>;
+
+    /// What `rel` is, or `None` if it does not exist.
+    fn head(&self, rel: &str) -> Result<Option<Head>> {
+        no_txn(self, rel)
+    }
+    /// Small object `rel` whole with its head (`None` if it does not exist), `check` shown its
+    /// size and first `peek` bytes before the rest is read, as [`Storage::get_checked`].
+    fn get_with_head(
+        &self,
+        rel: &str,
+        _peek: u64,
+        _check: HeadCheck<'_>,
+    ) -> Result<Option<(Vec<u8>, Head)>> {
+        no_txn(self, rel)
+    }
+    /// What is below `prefix` ("" for the root): at any depth if `deep`, else its direct
+    /// entries; in no particular order.
+    fn list(&self, prefix: &str, _deep: bool) -> Result<Vec<Entry>> {
+        no_txn(self, prefix)
+    }
+    /// Removes object `rel` (nothing if it does not exist).
+    fn delete(&self, rel: &str) -> Result<()> {
+        no_txn(self, rel)
+    }
+    /// Removes `prefix` and everything below it, never following a symbolic link.
+    fn delete_all(&self, prefix: &str) -> Result<()> {
+        for e in self.list(prefix, true)? {
+            if !matches!(e, Entry::Dir(_)) {
+                self.delete(e.rel())?;
+            }
+        }
+        Ok(())
+    }
+    /// Writes small object `rel` holding `bytes` if `cond` holds; returns its new version, or
+    /// `None` (nothing written) if it did not. Of writers racing on one condition at most one
+    /// succeeds. A reader may find the object absent while a local filesystem replaces it, and a
+    /// crash may leave it partly written: this is for leases, judged by their age.
+    fn put_if(&self, rel: &str, _bytes: &[u8], _cond: PutIf<'_>) -> Result<Option<Version>> {
+        no_txn(self, rel)
+    }
+    /// Makes `rel` hold `bytes` atomically and durably if `cond` holds (else `None`, nothing
+    /// changed): a reader, and the storage after a crash, has the old object or the new one,
+    /// whole. `ready` runs once the bytes are staged, just before the atomic step, and may veto
+    /// it. An object store checks `cond` in the same request; a local filesystem just before its
+    /// rename (between the two, the save's lease keeps other writers out).
+    fn publish(
+        &self,
+        rel: &str,
+        _bytes: &[u8],
+        _cond: PutIf<'_>,
+        _ready: &dyn Fn() -> Result<()>,
+    ) -> Result<Option<Version>> {
+        no_txn(self, rel)
+    }
+    /// Renews `rel` (holding `bytes`) if it is still at `version`: its modification time becomes
+    /// now. Returns the new version, or `None` if another writer replaced or removed it.
+    fn touch_if(&self, rel: &str, _bytes: &[u8], _version: &Version) -> Result<Option<Version>> {
+        no_txn(self, rel)
+    }
 }
 
 /// A directory of a local or shared filesystem.
@@ -135,6 +257,105 @@ impl LocalFs {
             counters: Arc::default(),
         }
     }
+
+    /// Reads open file `f` (object `rel`, `size` bytes) whole, `check` shown its first `peek`.
+    fn read_checked(
+        &self,
+        rel: &str,
+        f: &mut File,
+        size: u64,
+        peek: u64,
+        check: HeadCheck<'_>,
+    ) -> Result<Vec<u8>> {
+        let io = |e| CoreError::io(self.name(rel), e);
+        let mut bytes = Vec::new();
+        Read::by_ref(f)
+            .take(peek.min(size))
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+        check(&bytes, size)?;
+        bytes.reserve_exact(size.saturating_sub(bytes.len() as u64) as usize);
+        f.read_to_end(&mut bytes).map_err(io)?;
+        self.counters.add_read(bytes.len() as u64);
+        Ok(bytes)
+    }
+
+    /// The head of `path` (not following a symbolic link), `None` if it does not exist.
+    fn stat(&self, path: &Path) -> Result<Option<Head>> {
+        match fs::symlink_metadata(path) {
+            Ok(md) => Ok(Some(local_head(&md))),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(CoreError::io(path, e)),
+        }
+    }
+
+    fn list_into(&self, dir: &Path, rel: &str, deep: bool, out: &mut Vec<Entry>) -> Result<()> {
+        let entries = match fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(CoreError::io(dir, e)),
+        };
+        for e in entries {
+            let e = e.map_err(|e| CoreError::io(dir, e))?;
+            let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                out.push(Entry::Other(join_rel(
+                    rel,
+                    &e.file_name().to_string_lossy(),
+                )));
+                continue;
+            };
+            let child = join_rel(rel, &name);
+            let kind = e.file_type().map_err(|err| CoreError::io(e.path(), err))?;
+            if kind.is_dir() {
+                out.push(Entry::Dir(child.clone()));
+                if deep {
+                    self.list_into(&e.path(), &child, deep, out)?;
+                }
+            } else if kind.is_file() {
+                out.push(Entry::Object(child));
+            } else {
+                out.push(Entry::Other(child));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn join_rel(dir: &str, name: &str) -> String {
+    if dir.is_empty() {
+        name.to_string()
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// A local file's head: its version is its device, inode, modification time and size.
+fn local_head(md: &fs::Metadata) -> Head {
+    let modified = md.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+    Head {
+        version: Version {
+            e_tag: Some(format!(
+                "{}:{}:{}.{:09}:{}",
+                md.dev(),
+                md.ino(),
+                md.mtime(),
+                md.mtime_nsec(),
+                md.len()
+            )),
+            version: None,
+        },
+        size: md.len(),
+        modified,
+    }
+}
+
+/// `path` with `suffix` appended to its file name, in the same directory.
+fn beside(path: &Path, prefix: &str, suffix: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    path.with_file_name(format!("{prefix}{name}{suffix}"))
 }
 
 struct LocalObject {
@@ -205,18 +426,11 @@ impl Storage for LocalFs {
 
     fn get_checked(&self, rel: &str, peek: u64, check: HeadCheck<'_>) -> Result<Vec<u8>> {
         let mut f = open_beneath(&self.root, rel)?;
-        let io = |e| CoreError::io(self.name(rel), e);
-        let size = f.metadata().map_err(io)?.len();
-        let mut bytes = Vec::new();
-        Read::by_ref(&mut f)
-            .take(peek.min(size))
-            .read_to_end(&mut bytes)
-            .map_err(io)?;
-        check(&bytes, size)?;
-        bytes.reserve_exact(size.saturating_sub(bytes.len() as u64) as usize);
-        f.read_to_end(&mut bytes).map_err(io)?;
-        self.counters.add_read(bytes.len() as u64);
-        Ok(bytes)
+        let size = f
+            .metadata()
+            .map_err(|e| CoreError::io(self.name(rel), e))?
+            .len();
+        self.read_checked(rel, &mut f, size, peek, check)
     }
 
     fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>> {
@@ -251,5 +465,142 @@ impl Storage for LocalFs {
 
     fn counters(&self) -> &Arc<IoCounters> {
         &self.counters
+    }
+
+    fn head(&self, rel: &str) -> Result<Option<Head>> {
+        self.stat(&self.name(rel))
+    }
+
+    fn get_with_head(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: HeadCheck<'_>,
+    ) -> Result<Option<(Vec<u8>, Head)>> {
+        let mut f = match open_beneath(&self.root, rel) {
+            Ok(f) => f,
+            Err(CoreError::Io { source, .. }) if source.kind() == ErrorKind::NotFound => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        let head = local_head(&f.metadata().map_err(|e| CoreError::io(self.name(rel), e))?);
+        let bytes = self.read_checked(rel, &mut f, head.size, peek, check)?;
+        Ok(Some((bytes, head)))
+    }
+
+    /// Lists without following symbolic links: a linked directory is an [`Entry::Other`], and
+    /// so is `prefix` itself when it is not a real directory.
+    fn list(&self, prefix: &str, deep: bool) -> Result<Vec<Entry>> {
+        let dir = self.name(prefix);
+        let mut out = Vec::new();
+        match fs::symlink_metadata(&dir) {
+            Ok(md) if md.is_dir() => self.list_into(&dir, prefix, deep, &mut out)?,
+            Ok(md) if md.is_file() => out.push(Entry::Object(prefix.to_string())),
+            Ok(_) => out.push(Entry::Other(prefix.to_string())),
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(CoreError::io(dir, e)),
+        }
+        Ok(out)
+    }
+
+    fn delete(&self, rel: &str) -> Result<()> {
+        let path = self.name(rel);
+        match fsops::remove_file(&path) {
+            Err(e) if e.kind() != ErrorKind::NotFound => Err(CoreError::io(path, e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn delete_all(&self, prefix: &str) -> Result<()> {
+        let path = self.name(prefix);
+        let removed = match fs::symlink_metadata(&path) {
+            Ok(md) if md.is_dir() => fsops::remove_dir_all(&path),
+            Ok(_) => fsops::remove_file(&path),
+            Err(e) => Err(e),
+        };
+        match removed {
+            Err(e) if e.kind() != ErrorKind::NotFound => Err(CoreError::io(path, e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Creates with `O_EXCL`; replaces by moving the object aside first (an atomic claim: of
+    /// two replacers only one moves it), then creating it afresh with `O_EXCL`.
+    fn put_if(&self, rel: &str, bytes: &[u8], cond: PutIf<'_>) -> Result<Option<Version>> {
+        let path = self.name(rel);
+        let io = |e| CoreError::io(&path, e);
+        if let PutIf::Version(want) = cond {
+            let aside = beside(&path, "", &format!(".stale-{}", crate::txn::new_save_id()?));
+            match fsops::rename(&path, &aside) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(io(e)),
+            }
+            let moved = self.stat(&aside)?.map(|h| h.version);
+            if moved.as_ref() != Some(want) {
+                // Another writer replaced it after it was read: put theirs back.
+                if self.stat(&path)?.is_none() {
+                    let _ = fsops::rename(&aside, &path);
+                }
+                let _ = fsops::remove_file(&aside);
+                return Ok(None);
+            }
+            let _ = fsops::remove_file(&aside);
+        }
+        match fsops::write_new(&path, bytes) {
+            Ok(()) => Ok(self.stat(&path)?.map(|h| h.version)),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(io(e)),
+        }
+    }
+
+    /// Writes `.<name>.tmp-<random id>` beside `rel` and fsyncs it, checks `cond` and `ready`,
+    /// renames it over `rel` and fsyncs the directory.
+    fn publish(
+        &self,
+        rel: &str,
+        bytes: &[u8],
+        cond: PutIf<'_>,
+        ready: &dyn Fn() -> Result<()>,
+    ) -> Result<Option<Version>> {
+        let path = self.name(rel);
+        let tmp = beside(&path, ".", &format!(".tmp-{}", crate::txn::new_save_id()?));
+        let staged = fsops::write_new(&tmp, bytes)
+            .map_err(|e| CoreError::io(&tmp, e))
+            .and_then(|()| ready())
+            .and_then(|()| {
+                let now = self.stat(&path)?.map(|h| h.version);
+                Ok(match cond {
+                    PutIf::Absent => now.is_none(),
+                    PutIf::Version(want) => now.as_ref() == Some(want),
+                })
+            })
+            .and_then(|holds| {
+                if holds {
+                    fsops::rename(&tmp, &path).map_err(|e| CoreError::io(&path, e))?;
+                }
+                Ok(holds)
+            });
+        if !matches!(staged, Ok(true)) {
+            let _ = fsops::remove_file(&tmp);
+            return staged.map(|_| None);
+        }
+        sync_dir(path.parent().unwrap_or(&self.root))?;
+        Ok(self.stat(&path)?.map(|h| h.version))
+    }
+
+    fn touch_if(&self, rel: &str, _bytes: &[u8], version: &Version) -> Result<Option<Version>> {
+        let path = self.name(rel);
+        if self.stat(&path)?.map(|h| h.version).as_ref() != Some(version) {
+            return Ok(None);
+        }
+        File::options()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(&path)
+            .and_then(|f| f.set_modified(SystemTime::now()))
+            .map_err(|e| CoreError::io(&path, e))?;
+        Ok(self.stat(&path)?.map(|h| h.version))
     }
 }

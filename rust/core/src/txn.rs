@@ -1,13 +1,13 @@
-//! The save transaction: an exclusive lease on the checkpoint directory, the atomic commit of the
-//! manifest, and cleanup limited to what provably belongs to this store's failed or superseded
-//! saves. The invariant (docs/FORMAT.md, "Saves"): at every moment the directory holds one complete
-//! checkpoint or none, and a save that returned success stays loadable until another save to the
-//! same directory succeeds. Every door drives a save through [`Transaction`]; `object.rs` implements
-//! it for object stores.
+//! The save transaction, one for every storage: an exclusive lease on the checkpoint, the atomic
+//! commit of the manifest, and cleanup limited to what provably belongs to this store's failed or
+//! superseded saves. The invariant (docs/FORMAT.md, "Saves"): at every moment the checkpoint's
+//! location holds one complete checkpoint or none, and a save that returned success stays loadable
+//! until another save to the same location succeeds. [`SaveTxn`] is built from the primitives of
+//! [`Storage`] (head, list, delete, conditional put, publish), which a local filesystem and an
+//! object store each implement; every door drives its save through it.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::Read;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -15,10 +15,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
 use crate::error::{CoreError, Result};
-use crate::fsops::{self, sync_dir};
+use crate::fsops;
 use crate::load::check_manifest_coverage;
 use crate::manifest::{Manifest, MANIFEST_NAME};
 use crate::save::{assemble_manifest, SavedChunk, TensorSchema};
+use crate::storage::{Entry, Head, LocalFs, PutIf, Storage, Version};
 use serde_json::value::RawValue;
 
 /// The lease file: present while a save of this directory is in progress.
@@ -41,37 +42,6 @@ pub struct SaveOptions {
     pub overwrite: bool,
     /// A lease whose heartbeat is older than this belongs to a dead writer and may be broken.
     pub lease_timeout: Duration,
-}
-
-/// A save in progress on some storage, from its lease to its commit or abort: [`SaveTxn`] on a
-/// local filesystem, [`crate::object::ObjectSaveTxn`] on an object store.
-pub trait Transaction: Send {
-    /// The id data files go under (`data/<save_id>/`).
-    fn save_id(&self) -> &str;
-    /// What the checkpoint is called in errors.
-    fn name(&self, rel: &str) -> PathBuf;
-    /// Commits `m` (which must name only this save's data files) atomically, then removes the data
-    /// of the saves it supersedes and releases the lease.
-    fn commit(&mut self, m: &Manifest) -> Result<()>;
-    /// Removes this save's data and releases the lease; the checkpoint that was committed before
-    /// it is untouched.
-    fn abort(&mut self);
-
-    /// Assembles the manifest of this save from its parts, validates it as every reader does and
-    /// commits it (see [`Transaction::commit`]).
-    fn commit_parts(
-        &mut self,
-        block_size: u64,
-        tensors: Vec<TensorSchema>,
-        chunks: Vec<SavedChunk>,
-        entries: Box<RawValue>,
-        info: Box<RawValue>,
-    ) -> Result<Manifest> {
-        let m = assemble_manifest(self.save_id(), block_size, tensors, chunks, entries, info)?;
-        let m = Manifest::decode(&m.encode(), &self.name(MANIFEST_NAME))?;
-        self.commit(&m)?;
-        Ok(m)
-    }
 }
 
 /// Refuses a manifest that names another save or files outside `data/<save_id>/`, or does not
@@ -114,51 +84,6 @@ pub(crate) fn is_data_file(name: &str) -> bool {
         && word.bytes().all(|b| b.is_ascii_lowercase())
         && !num.is_empty()
         && num.bytes().all(|b| b.is_ascii_digit() || b == b'-')
-}
-
-/// True if `path` is (without following symlinks) a directory named by a save id that holds only
-/// regular files named as data files: data this store wrote, and nothing else.
-fn is_our_save_dir(path: &Path) -> bool {
-    let ok_name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(is_save_id);
-    if !ok_name || !fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
-        return false;
-    }
-    let Ok(entries) = fs::read_dir(path) else {
-        return false;
-    };
-    entries.into_iter().all(|e| {
-        e.is_ok_and(|e| {
-            e.file_type().is_ok_and(|t| t.is_file())
-                && e.file_name().to_str().is_some_and(is_data_file)
-        })
-    })
-}
-
-/// What in `dir` conflicts with the store's own names, relative to `dir`: a `data/` that is not a
-/// real directory (a symlinked `data/` is never written through) and, without a committed
-/// manifest, entries of `data/` that are not this store's save directories. Anything else may sit
-/// beside a checkpoint (a `model.pt` converted into it, a README) and is never touched.
-fn foreign_entries(dir: &Path, committed: bool) -> Result<Vec<String>> {
-    let mut foreign = Vec::new();
-    let data = dir.join(DATA_DIR);
-    let Ok(meta) = fs::symlink_metadata(&data) else {
-        return Ok(foreign);
-    };
-    if !meta.is_dir() {
-        foreign.push(format!("{DATA_DIR} (not a directory)"));
-    } else if !committed {
-        for d in fs::read_dir(&data).map_err(|e| CoreError::io(&data, e))? {
-            let d = d.map_err(|e| CoreError::io(&data, e))?;
-            if !is_our_save_dir(&d.path()) {
-                foreign.push(format!("{DATA_DIR}/{}", d.file_name().to_string_lossy()));
-            }
-        }
-    }
-    foreign.sort();
-    Ok(foreign)
 }
 
 /// A fresh save id from the kernel's random source.
@@ -204,19 +129,6 @@ pub(crate) fn owner_is_dead_here(token: &str) -> bool {
     same && pid > 0 && !Path::new(&format!("/proc/{pid}")).exists()
 }
 
-fn read_lease(path: &Path) -> std::io::Result<(String, fs::Metadata)> {
-    let mut f = OpenOptions::new()
-        .read(true)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)?;
-    let md = f.metadata()?;
-    let mut s = String::new();
-    Read::by_ref(&mut f)
-        .take(MAX_LEASE_LEN)
-        .read_to_string(&mut s)?;
-    Ok((s, md))
-}
-
 /// Renews a lease from a thread every `every` until stopped; `lost` once a renewal finds that the
 /// lease is no longer ours (the thread then stops renewing).
 pub(crate) struct Heartbeat {
@@ -260,30 +172,20 @@ impl Heartbeat {
     }
 }
 
-/// Renews the lease file at `path` (its modification time) while it holds `token`.
-fn renew_lease_file(path: &Path, token: &str) -> bool {
-    read_lease(path).is_ok_and(|(t, _)| t == token)
-        && File::options()
-            .read(true)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(path)
-            .and_then(|f| f.set_modified(SystemTime::now()))
-            .is_ok()
-}
-
-/// One save into a checkpoint directory, from the lease to the commit (or the abort).
+/// One save into a checkpoint on some storage, from the lease to the commit (or the abort).
 pub struct SaveTxn {
-    dir: PathBuf,
+    storage: Arc<dyn Storage>,
     save_id: String,
     token: String,
+    /// The committed manifest's version when the save began (`None`: there was none).
+    replaces: Option<Version>,
     heartbeat: Heartbeat,
     finished: bool,
 }
 
 impl SaveTxn {
-    /// Takes the directory's lease and prepares `data/<save_id>/`. Refuses a directory that holds
-    /// anything that is not an olmo-chunks store, a committed checkpoint unless `overwrite`, and a
-    /// lease held by a live writer (`CoreError::Locked`). Removes what failed saves left.
+    /// Begins a save into directory `dir` (made if missing; anything else at that path is
+    /// refused). See [`SaveTxn::begin_on`].
     pub fn begin(dir: &Path, opts: SaveOptions) -> Result<Self> {
         match fs::metadata(dir) {
             Ok(md) if !md.is_dir() => {
@@ -298,16 +200,35 @@ impl SaveTxn {
             }
             Err(e) => return Err(CoreError::io(dir, e)),
         }
+        Self::begin_on(Arc::new(LocalFs::new(dir)), opts)
+    }
+
+    /// Takes the lease of the checkpoint in `storage` and checks what is there: refuses a
+    /// committed checkpoint unless `overwrite`, a lease held by a live writer
+    /// (`CoreError::Locked`), and a `data/` that is not this store's; removes what failed saves
+    /// left.
+    pub fn begin_on(storage: Arc<dyn Storage>, opts: SaveOptions) -> Result<Self> {
         let save_id = new_save_id()?;
         let token = owner_token(&save_id);
-        let lease = dir.join(LEASE_NAME);
-        acquire(&lease, &token, &save_id, opts.lease_timeout)?;
+        let mut version = acquire(&*storage, &token, opts.lease_timeout)?;
         let every = (opts.lease_timeout / 4).max(Duration::from_millis(100));
+        let heartbeat = {
+            let (storage, token) = (storage.clone(), token.clone());
+            Heartbeat::start(every, move || {
+                match storage.touch_if(LEASE_NAME, token.as_bytes(), &version) {
+                    Ok(Some(v)) => version = v,
+                    Ok(None) => return false,
+                    Err(_) => {} // tried again next beat
+                }
+                true
+            })
+        };
         let mut txn = SaveTxn {
-            dir: dir.to_path_buf(),
+            storage,
             save_id,
-            token: token.clone(),
-            heartbeat: Heartbeat::start(every, move || renew_lease_file(&lease, &token)),
+            token,
+            replaces: None,
+            heartbeat,
             finished: false,
         };
         txn.prepare(opts.overwrite)?;
@@ -315,50 +236,54 @@ impl SaveTxn {
     }
 
     fn prepare(&mut self, overwrite: bool) -> Result<()> {
-        let manifest = self.dir.join(MANIFEST_NAME);
-        let committed = fs::symlink_metadata(&manifest).is_ok();
+        let s = &*self.storage;
+        self.replaces = s.head(MANIFEST_NAME)?.map(|h| h.version);
+        let committed = self.replaces.is_some();
         if committed && !overwrite {
-            return Err(CoreError::Exists {
-                path: self.dir.clone(),
-            });
+            return Err(CoreError::Exists { path: s.name("") });
         }
-        let foreign = foreign_entries(&self.dir, committed)?;
+        let saves = Saves::list(s)?;
+        let foreign = saves.foreign(committed);
         if !foreign.is_empty() {
             return Err(CoreError::InvalidArgument(format!(
-                "{}: refusing to save there: its data/ is not this store's (found {}); nothing was changed",
-                self.dir.display(),
+                "{}: refusing to save there: its data/ holds entries this store did not write \
+                 (found {}); nothing was changed",
+                s.name("").display(),
                 foreign.join(", ")
             )));
         }
-        // What earlier saves left: data no committed manifest names, temp manifests. If the
-        // manifest cannot be read, keep all data (it may be what it names).
-        let live = match Manifest::open(&self.dir) {
-            Ok(m) => Some(live_save_ids(&m)),
-            Err(_) if !committed => Some(Vec::new()),
-            Err(_) => None,
+        // What earlier saves left: data no committed manifest names, temp manifests, moved-aside
+        // leases. If the manifest cannot be read, keep all data (it may be what it names).
+        let live = if committed {
+            Manifest::open_from(s).ok().map(|m| live_save_ids(&m))
+        } else {
+            Some(Vec::new())
         };
         if let Some(live) = live {
-            remove_saves(&self.dir, |id| !live.iter().any(|l| l == id));
+            saves.remove(s, |id| !live.iter().any(|l| l == id));
         }
-        remove_leftover_files(&self.dir);
-        let data = self.dir.join(DATA_DIR);
-        let mine = data.join(&self.save_id);
-        fsops::create_dir_all(&mine).map_err(|e| CoreError::io(&mine, e))?;
-        sync_dir(&data)?;
-        sync_dir(&self.dir)
+        remove_leftover_files(s);
+        Ok(())
     }
 
     pub fn save_id(&self) -> &str {
         &self.save_id
     }
 
-    /// `data/<save_id>`, relative to the checkpoint directory: where this save's files go.
+    /// What `rel` of the checkpoint is called in errors.
+    pub fn name(&self, rel: &str) -> PathBuf {
+        self.storage.name(rel)
+    }
+
+    /// `data/<save_id>`, relative to the checkpoint: where this save's files go.
     pub fn data_prefix(&self) -> String {
         format!("{DATA_DIR}/{}", self.save_id)
     }
 
     /// Commits `m` (which must name only this save's data files) atomically, then removes the data
-    /// of the saves it supersedes and releases the lease.
+    /// of the saves it supersedes and releases the lease. The manifest is published only while
+    /// the lease is still this save's and the committed manifest is still the one the save began
+    /// over: of two saves racing to one location, at most one commits.
     pub fn commit(&mut self, m: &Manifest) -> Result<()> {
         if self.finished {
             return Err(CoreError::InvalidArgument(
@@ -366,72 +291,91 @@ impl SaveTxn {
             ));
         }
         check_commit(m, &self.save_id)?;
-        self.check_lease()?;
-        let tmp = self.dir.join(format!("{TMP_PREFIX}{}", self.save_id));
-        let bytes = m.encode();
-        if let Err(e) = fsops::write_new(&tmp, &bytes) {
-            let _ = fsops::remove_file(&tmp);
-            return Err(CoreError::io(&tmp, e));
+        let cond = match &self.replaces {
+            Some(v) => PutIf::Version(v),
+            None => PutIf::Absent,
+        };
+        let published = self
+            .storage
+            .publish(MANIFEST_NAME, &m.encode(), cond, &|| self.check_lease());
+        match published {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                return Err(CoreError::Locked {
+                    path: self.storage.name(""),
+                    reason: "another save committed a checkpoint here while this one ran; \
+                             nothing was committed"
+                        .into(),
+                })
+            }
+            Err(e) => {
+                // A failure after the manifest became visible (a directory fsync, a lost
+                // response) must not take its data away.
+                self.finished = self.is_committed();
+                return Err(e);
+            }
         }
-        self.check_lease()?;
-        let dst = self.dir.join(MANIFEST_NAME);
-        fsops::rename(&tmp, &dst).map_err(|e| CoreError::io(&dst, e))?;
         self.finished = true;
-        sync_dir(&self.dir)?;
         let id = self.save_id.clone();
-        remove_saves(&self.dir, |other| other != id);
+        if let Ok(saves) = Saves::list(&*self.storage) {
+            saves.remove(&*self.storage, |other| other != id);
+        }
         self.release();
         Ok(())
     }
 
-    /// Removes this save's data and temp manifest and releases the lease; the checkpoint that was
-    /// committed before it is untouched.
+    /// Assembles the manifest of this save from its parts, validates it as every reader does and
+    /// commits it (see [`SaveTxn::commit`]).
+    pub fn commit_parts(
+        &mut self,
+        block_size: u64,
+        tensors: Vec<TensorSchema>,
+        chunks: Vec<SavedChunk>,
+        entries: Box<RawValue>,
+        info: Box<RawValue>,
+    ) -> Result<Manifest> {
+        let m = assemble_manifest(&self.save_id, block_size, tensors, chunks, entries, info)?;
+        let m = Manifest::decode(&m.encode(), &self.name(MANIFEST_NAME))?;
+        self.commit(&m)?;
+        Ok(m)
+    }
+
+    /// Removes this save's data and releases the lease; the checkpoint that was committed before
+    /// it is untouched.
     pub fn abort(&mut self) {
         if self.finished {
             return;
         }
         self.finished = true;
-        let id = self.save_id.clone();
-        remove_saves(&self.dir, |other| other == id);
-        let _ = fsops::remove_file(&self.dir.join(format!("{TMP_PREFIX}{}", self.save_id)));
+        let _ = self.storage.delete_all(&self.data_prefix());
         self.release();
     }
 
+    fn is_committed(&self) -> bool {
+        Manifest::open_from(&*self.storage).is_ok_and(|m| m.save_id == self.save_id)
+    }
+
+    fn holds_lease(&self) -> Result<bool> {
+        Ok(read_lease(&*self.storage)?.is_some_and(|(t, _)| t == self.token.as_bytes()))
+    }
+
     fn check_lease(&self) -> Result<()> {
-        let lease = self.dir.join(LEASE_NAME);
-        let ours = read_lease(&lease).is_ok_and(|(t, _)| t == self.token);
-        if ours && !self.heartbeat.lost.load(Ordering::Relaxed) {
+        if self.holds_lease()? && !self.heartbeat.lost.load(Ordering::Relaxed) {
             return Ok(());
         }
         Err(CoreError::Locked {
-            path: self.dir.clone(),
-            reason: "this save's lease was broken by another writer (its heartbeat stalled past \
-                     the lease timeout); nothing was committed"
+            path: self.storage.name(""),
+            reason: "this save's lease was taken over by another writer (its heartbeat stalled \
+                     past the lease timeout); nothing was committed"
                 .into(),
         })
     }
 
     fn release(&mut self) {
         self.heartbeat.stop();
-        let lease = self.dir.join(LEASE_NAME);
-        if read_lease(&lease).is_ok_and(|(t, _)| t == self.token) {
-            let _ = fsops::remove_file(&lease);
+        if self.holds_lease().unwrap_or(false) {
+            let _ = self.storage.delete(LEASE_NAME);
         }
-    }
-}
-
-impl Transaction for SaveTxn {
-    fn save_id(&self) -> &str {
-        &self.save_id
-    }
-    fn name(&self, rel: &str) -> PathBuf {
-        self.dir.join(rel)
-    }
-    fn commit(&mut self, m: &Manifest) -> Result<()> {
-        SaveTxn::commit(self, m)
-    }
-    fn abort(&mut self) {
-        SaveTxn::abort(self)
     }
 }
 
@@ -441,51 +385,149 @@ impl Drop for SaveTxn {
     }
 }
 
-/// Takes the lease at `path` with `O_EXCL`, breaking it first if its holder is dead (no heartbeat
-/// for `timeout`, or a local process that no longer exists).
-fn acquire(path: &Path, token: &str, save_id: &str, timeout: Duration) -> Result<()> {
+/// The lease's token and head (`None` if there is none); one larger than a lease can be is
+/// refused unread.
+fn read_lease(s: &dyn Storage) -> Result<Option<(Vec<u8>, Head)>> {
+    s.get_with_head(LEASE_NAME, 0, &|_, size| {
+        if size <= MAX_LEASE_LEN {
+            return Ok(());
+        }
+        Err(CoreError::InvalidArgument(format!(
+            "{}: {size} bytes, not an olmo-chunks lease (at most {MAX_LEASE_LEN}); refusing to \
+             save there",
+            s.name(LEASE_NAME).display()
+        )))
+    })
+}
+
+/// Creates the lease (only if absent), taking it over from a dead writer (no heartbeat for
+/// `timeout`, or a local process that no longer exists) with a write conditional on the version
+/// that writer left, so that two savers cannot both take it. Returns the lease's version.
+fn acquire(s: &dyn Storage, token: &str, timeout: Duration) -> Result<Version> {
     for _ in 0..3 {
-        match fsops::write_new(path, token.as_bytes()) {
-            Ok(()) => return Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(CoreError::io(path, e)),
+        if let Some(v) = s.put_if(LEASE_NAME, token.as_bytes(), PutIf::Absent)? {
+            return Ok(v);
         }
-        let (held_by, md) = match read_lease(path) {
-            Ok(x) => x,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(CoreError::io(path, e)),
+        let Some((held, head)) = read_lease(s)? else {
+            continue;
         };
-        if !md.is_file() {
-            return Err(CoreError::InvalidArgument(format!(
-                "{}: not a regular file; refusing to save there",
-                path.display()
-            )));
-        }
-        let mtime = SystemTime::UNIX_EPOCH + Duration::from_secs(md.mtime().max(0) as u64);
+        let held = String::from_utf8_lossy(&held).into_owned();
         let age = SystemTime::now()
-            .duration_since(mtime)
+            .duration_since(head.modified)
             .unwrap_or(Duration::ZERO);
-        if age <= timeout && !owner_is_dead_here(&held_by) {
+        if age <= timeout && !owner_is_dead_here(&held) {
             return Err(CoreError::Locked {
-                path: path.parent().unwrap_or(path).to_path_buf(),
+                path: s.name(""),
                 reason: format!(
-                    "another save holds its lease ({held_by}, heartbeat {}s ago); a lease \
-                     without a heartbeat for {}s belongs to a dead writer and is taken over",
+                    "another save holds its lease ({held}, heartbeat {}s ago); a lease without a \
+                     heartbeat for {}s belongs to a dead writer and is taken over",
                     age.as_secs(),
                     timeout.as_secs()
                 ),
             });
         }
-        // Break the dead writer's lease: move it aside (atomic), then try again.
-        let aside = path.with_file_name(format!("{STALE_LEASE_PREFIX}{save_id}"));
-        if fsops::rename(path, &aside).is_ok() {
-            let _ = fsops::remove_file(&aside);
+        if let Some(v) = s.put_if(LEASE_NAME, token.as_bytes(), PutIf::Version(&head.version))? {
+            return Ok(v);
         }
     }
     Err(CoreError::Locked {
-        path: path.parent().unwrap_or(path).to_path_buf(),
+        path: s.name(""),
         reason: "could not take the save lease (contended)".into(),
     })
+}
+
+/// What `data/` holds, by save: the saves whose entries are all this store's (a real directory
+/// named by a save id holding only data files, or on an object store only objects so named), and
+/// the entries that are not.
+struct Saves {
+    ours: Vec<String>,
+    foreign: Vec<String>,
+    /// `data` itself is not a real directory (a symbolic link, a file): never written through.
+    not_a_dir: bool,
+}
+
+impl Saves {
+    fn list(s: &dyn Storage) -> Result<Saves> {
+        let mut ours: Vec<String> = Vec::new();
+        let mut bad: Vec<String> = Vec::new();
+        let mut not_a_dir = false;
+        let prefix = format!("{DATA_DIR}/");
+        for e in s.list(DATA_DIR, true)? {
+            let Some(rest) = e.rel().strip_prefix(&prefix) else {
+                not_a_dir |= e.rel() == DATA_DIR;
+                continue;
+            };
+            let (id, file) = match rest.split_once('/') {
+                Some((id, file)) => (id, Some(file)),
+                None => (rest, None),
+            };
+            let good = is_save_id(id)
+                && match (&e, file) {
+                    (Entry::Dir(_), None) => true,
+                    (Entry::Object(_), Some(f)) => is_data_file(f),
+                    _ => false,
+                };
+            let id = id.to_string();
+            if !good {
+                bad.push(id.clone());
+            }
+            if !ours.contains(&id) {
+                ours.push(id);
+            }
+        }
+        ours.retain(|id| !bad.contains(id));
+        bad.sort();
+        bad.dedup();
+        Ok(Saves {
+            ours,
+            foreign: bad.into_iter().map(|n| format!("{DATA_DIR}/{n}")).collect(),
+            not_a_dir,
+        })
+    }
+
+    /// What conflicts with the store's own names: a `data/` that is not a real directory and,
+    /// without a committed manifest, entries of `data/` that are not this store's saves.
+    /// Anything else may sit beside a checkpoint (a `model.pt` converted into it, a README) and
+    /// is never touched.
+    fn foreign(&self, committed: bool) -> Vec<String> {
+        if self.not_a_dir {
+            return vec![format!("{DATA_DIR} (not a directory)")];
+        }
+        if committed {
+            Vec::new()
+        } else {
+            self.foreign.clone()
+        }
+    }
+
+    /// Removes the data of every save of this store's that `doomed` selects. Best effort: what
+    /// cannot be removed stays for the next save.
+    fn remove(&self, s: &dyn Storage, doomed: impl Fn(&str) -> bool) {
+        if self.not_a_dir {
+            return;
+        }
+        for id in self.ours.iter().filter(|id| doomed(id)) {
+            let _ = s.delete_all(&format!("{DATA_DIR}/{id}"));
+        }
+    }
+}
+
+/// Removes the temp manifests and moved-aside leases that saves which died left.
+fn remove_leftover_files(s: &dyn Storage) {
+    let Ok(entries) = s.list("", false) else {
+        return;
+    };
+    for e in entries {
+        let Entry::Object(name) = e else {
+            continue;
+        };
+        let leftover = [TMP_PREFIX, STALE_LEASE_PREFIX]
+            .iter()
+            .any(|prefix| name.strip_prefix(prefix).is_some_and(is_save_id));
+        if leftover {
+            let _ = s.delete(&name);
+        }
+    }
 }
 
 /// The save ids whose data directories `m` names.
@@ -499,42 +541,6 @@ fn live_save_ids(m: &Manifest) -> Vec<String> {
     ids.sort();
     ids.dedup();
     ids
-}
-
-/// Removes `data/<id>` for every id `doomed` selects whose directory provably holds only data
-/// this store wrote. Best effort: what cannot be removed stays for the next save.
-fn remove_saves(dir: &Path, doomed: impl Fn(&str) -> bool) {
-    let data = dir.join(DATA_DIR);
-    if !fs::symlink_metadata(&data).is_ok_and(|m| m.is_dir()) {
-        return;
-    }
-    let Ok(entries) = fs::read_dir(&data) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let p = e.path();
-        if e.file_name().to_str().is_some_and(&doomed) && is_our_save_dir(&p) {
-            let _ = fsops::remove_dir_all(&p);
-        }
-    }
-}
-
-/// Removes the temp manifests and moved-aside leases that saves which died left in `dir`.
-fn remove_leftover_files(dir: &Path) {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let leftover = name.to_str().is_some_and(|n| {
-            [TMP_PREFIX, STALE_LEASE_PREFIX]
-                .iter()
-                .any(|prefix| n.strip_prefix(prefix).is_some_and(is_save_id))
-        });
-        if leftover && e.file_type().is_ok_and(|t| t.is_file()) {
-            let _ = fsops::remove_file(&e.path());
-        }
-    }
 }
 
 #[cfg(test)]

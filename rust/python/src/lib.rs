@@ -622,6 +622,14 @@ fn assign_writers(py: Python<'_>, held: Vec<Vec<(u64, u64)>>) -> Vec<Vec<usize>>
     py.detach(|| core::assign::assign_writers(&held))
 }
 
+/// Runs the backend suite (`core::conformance`) on the empty storage at `path` (a directory or
+/// a URL); returns the expectations it failed (none: the backend conforms).
+#[pyfunction]
+fn check_storage(py: Python<'_>, path: PathBuf) -> PyResult<Vec<String>> {
+    let storage = core::storage_at(&location(&path)).map_err(|e| to_pyerr(py, e))?;
+    Ok(py.detach(|| core::conformance::check(storage)))
+}
+
 /// Opens regular file `rel` strictly beneath directory `root` for reading, as the core opens data
 /// files (no symlink below `root` followed, never blocking on a FIFO); returns its descriptor,
 /// which the caller owns.
@@ -1077,7 +1085,7 @@ fn write_chunks(
 /// directory's lease, hands out the save id data files go under, then commits or aborts.
 #[pyclass(name = "SaveTransaction", module = "olmo_chunks._core", frozen)]
 struct PySaveTransaction {
-    inner: std::sync::Mutex<Box<dyn core::Transaction>>,
+    inner: std::sync::Mutex<core::SaveTxn>,
     location: String,
     save_id: String,
 }
@@ -1377,6 +1385,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(assign_writers, m)?)?;
+    m.add_function(wrap_pyfunction!(check_storage, m)?)?;
     m.add_function(wrap_pyfunction!(data_file, m)?)?;
     m.add_function(wrap_pyfunction!(open_beneath, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;

@@ -2,6 +2,7 @@
 //! tests against brute-force oracles, hostile inputs, end-to-end I/O and the storage layer.
 
 mod assign_oracle;
+mod backends;
 mod common;
 mod compressed;
 mod coop_oracle;

@@ -1,0 +1,140 @@
+//! The clients of the buckets this process reaches, and the runtime that drives them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use object_store::multipart::MultipartStore;
+use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+use tokio::runtime::Runtime;
+
+use crate::error::{CoreError, Result};
+use crate::storage::IoCounters;
+
+/// A bucket's client, shared by every storage in it, with the counters of what it moved.
+pub(super) struct Bucket {
+    pub(super) store: Arc<dyn ObjectStore>,
+    pub(super) multipart: Arc<dyn MultipartStore>,
+    pub(super) counters: Arc<IoCounters>,
+}
+
+/// The tokio runtime that drives the clients, and the clients by bucket URL. Both belong to one
+/// process: a child forked from it (whose runtime threads did not survive the fork) starts afresh,
+/// leaking the parent's rather than dropping what it cannot shut down.
+struct Clients {
+    pid: u32,
+    runtime: Arc<Runtime>,
+    buckets: HashMap<String, Arc<Bucket>>,
+}
+
+static CLIENTS: Mutex<Option<Clients>> = Mutex::new(None);
+
+fn with_clients<T>(f: impl FnOnce(&mut Clients) -> Result<T>) -> Result<T> {
+    let mut guard = CLIENTS.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if !matches!(guard.as_ref(), Some(c) if c.pid == pid) {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("olmo-chunks-object-store")
+            .enable_all()
+            .build()
+            .map_err(|e| CoreError::io("tokio runtime", e))?;
+        if let Some(stale) = guard.replace(Clients {
+            pid,
+            runtime: Arc::new(runtime),
+            buckets: HashMap::new(),
+        }) {
+            std::mem::forget(stale);
+        }
+    }
+    f(guard.as_mut().unwrap())
+}
+
+pub(super) fn runtime() -> Result<Arc<Runtime>> {
+    with_clients(|c| Ok(c.runtime.clone()))
+}
+
+/// The retry policy: backoff from 100 ms to 15 s, at most 10 retries and
+/// `OLMO_CHUNKS_RETRY_TIMEOUT` seconds (default 120) from a request's first try.
+fn retry_config() -> RetryConfig {
+    let timeout = std::env::var("OLMO_CHUNKS_RETRY_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(Duration::from_secs(120));
+    RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(15),
+            base: 2.0,
+        },
+        max_retries: 10,
+        retry_timeout: timeout,
+    }
+}
+
+/// Splits `url` into its bucket URL (`s3://bucket`) and the key prefix below it.
+pub(super) fn split_url(url: &str) -> Result<(String, String, String)> {
+    let bad = |why: &str| CoreError::InvalidArgument(format!("{url}: {why}"));
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("not a URL"))?;
+    if !matches!(scheme, "s3" | "s3a" | "gs") {
+        return Err(bad(
+            "unsupported URL scheme (s3://bucket/prefix and gs://bucket/prefix are supported)",
+        ));
+    }
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() {
+        return Err(bad("no bucket name"));
+    }
+    let prefix = prefix.trim_end_matches('/');
+    if prefix.split('/').any(|p| matches!(p, "." | "..")) {
+        return Err(bad("'.' and '..' are not allowed in an object key prefix"));
+    }
+    Ok((scheme.to_string(), bucket.to_string(), prefix.to_string()))
+}
+
+pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
+    let key = format!("{scheme}://{bucket}");
+    with_clients(|c| {
+        if let Some(b) = c.buckets.get(&key) {
+            return Ok(b.clone());
+        }
+        let bad = |e: object_store::Error| CoreError::InvalidArgument(format!("{key}: {e}"));
+        let b = if scheme == "gs" {
+            let gcs = Arc::new(
+                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_retry(retry_config())
+                    .build()
+                    .map_err(bad)?,
+            );
+            Bucket {
+                store: gcs.clone(),
+                multipart: gcs,
+                counters: Arc::default(),
+            }
+        } else {
+            let s3 = Arc::new(
+                object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_retry(retry_config())
+                    .build()
+                    .map_err(bad)?,
+            );
+            Bucket {
+                store: s3.clone(),
+                multipart: s3,
+                counters: Arc::default(),
+            }
+        };
+        let b = Arc::new(b);
+        c.buckets.insert(key, b.clone());
+        Ok(b)
+    })
+}
+
+/// The counters of everything moved to and from the bucket `url` lies in, by this process.
+pub fn bucket_counters(url: &str) -> Result<Arc<IoCounters>> {
+    let (scheme, bucket, _) = split_url(url)?;
+    Ok(bucket_for(&scheme, &bucket)?.counters.clone())
+}

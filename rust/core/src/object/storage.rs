@@ -1,0 +1,385 @@
+//! [`ObjectStorage`]: one checkpoint's prefix of a bucket, its requests and their errors.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use futures_util::TryStreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    UpdateVersion,
+};
+use tokio::runtime::Runtime;
+
+use super::client::{bucket_for, runtime, split_url, Bucket};
+use super::transfer::{RemoteReader, RemoteWriter};
+use super::{MAX_PARTS, PART_SIZE};
+use crate::error::{CoreError, Result};
+use crate::storage::{Entry, Head, HeadCheck, IoCounters, Object, PutIf, Storage, Version};
+
+/// A prefix of a bucket, holding one checkpoint.
+#[derive(Clone)]
+pub struct ObjectStorage {
+    pub(super) bucket: Arc<Bucket>,
+    runtime: Arc<Runtime>,
+    /// `scheme://bucket/prefix`, for names in errors.
+    url: String,
+    prefix: String,
+    /// Smallest part of a multipart upload.
+    part_size: u64,
+}
+
+fn io_kind(e: &object_store::Error) -> std::io::ErrorKind {
+    use object_store::Error as E;
+    use std::io::ErrorKind as K;
+    match e {
+        E::NotFound { .. } => K::NotFound,
+        E::AlreadyExists { .. } => K::AlreadyExists,
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => K::PermissionDenied,
+        _ => K::Other,
+    }
+}
+
+/// True for a store's answer that the bucket itself does not exist.
+fn is_missing_bucket(e: &object_store::Error) -> bool {
+    let msg = e.to_string();
+    matches!(e, object_store::Error::NotFound { .. })
+        && (msg.contains("NoSuchBucket") || msg.contains("bucket does not exist"))
+}
+
+pub(super) fn to_io(e: object_store::Error) -> std::io::Error {
+    std::io::Error::new(io_kind(&e), e)
+}
+
+impl ObjectStorage {
+    /// The storage at `url` (`s3://bucket/prefix` or `gs://bucket/prefix`).
+    pub fn open(url: &str) -> Result<Self> {
+        let (scheme, bucket, prefix) = split_url(url)?;
+        Ok(ObjectStorage {
+            bucket: bucket_for(&scheme, &bucket)?,
+            runtime: runtime()?,
+            url: format!("{scheme}://{bucket}/{prefix}")
+                .trim_end_matches('/')
+                .into(),
+            prefix,
+            part_size: PART_SIZE,
+        })
+    }
+
+    /// A prefix of a fresh in-memory store (which takes parts of any size), uploading in `part`
+    /// bytes: the object store of tests.
+    #[doc(hidden)]
+    pub fn in_memory(part: u64) -> Result<Self> {
+        let mem = Arc::new(object_store::memory::InMemory::new());
+        Ok(ObjectStorage {
+            bucket: Arc::new(Bucket {
+                store: mem.clone(),
+                multipart: mem,
+                counters: Arc::default(),
+            }),
+            runtime: runtime()?,
+            url: "memory://b/p".into(),
+            prefix: "p".into(),
+            part_size: part,
+        })
+    }
+
+    fn key(&self, rel: &str) -> ObjectPath {
+        ObjectPath::from(if self.prefix.is_empty() {
+            rel.to_string()
+        } else {
+            format!("{}/{rel}", self.prefix)
+        })
+    }
+
+    /// Runs one request to completion from synchronous code.
+    pub(super) fn block_on<T>(&self, fut: impl std::future::Future<Output = T>) -> T {
+        self.bucket
+            .counters
+            .requests
+            .fetch_add(1, Ordering::Relaxed);
+        self.runtime.block_on(fut)
+    }
+
+    fn err(&self, rel: &str, e: object_store::Error) -> CoreError {
+        if is_missing_bucket(&e) {
+            return self.missing_bucket();
+        }
+        CoreError::io(self.name(rel), to_io(e))
+    }
+
+    /// A missing bucket is a wrong location, not a missing checkpoint or data file.
+    fn missing_bucket(&self) -> CoreError {
+        let bucket = self.url.split('/').nth(2).unwrap_or_default();
+        CoreError::InvalidArgument(format!(
+            "{}: the bucket {bucket:?} does not exist at this endpoint (check the URL and \
+             AWS_ENDPOINT_URL / AWS_REGION, or create the bucket)",
+            self.url
+        ))
+    }
+
+    /// Writes `bytes` to `rel` in `mode`; returns the new version, or `None` if the mode's
+    /// condition did not hold (nothing was written).
+    fn put(&self, rel: &str, bytes: &[u8], mode: PutMode) -> Result<Option<Version>> {
+        let opts = PutOptions {
+            mode,
+            ..Default::default()
+        };
+        let payload = PutPayload::from(bytes.to_vec());
+        match self.block_on(self.bucket.store.put_opts(&self.key(rel), payload, opts)) {
+            Ok(r) => {
+                self.bucket.counters.add_written(bytes.len() as u64);
+                Ok(Some(Version {
+                    e_tag: r.e_tag,
+                    version: r.version,
+                }))
+            }
+            Err(
+                object_store::Error::Precondition { .. }
+                | object_store::Error::AlreadyExists { .. },
+            ) => Ok(None),
+            Err(e) => Err(self.err(rel, e)),
+        }
+    }
+
+    /// Reads `rel` whole with its version; `None` if it does not exist. `check` sees the object's
+    /// size and its first `peek` bytes (all of it if shorter) before any more is fetched, so an
+    /// object it refuses costs one request and at most those bytes, whatever its size; the body
+    /// then streams into one buffer of that size.
+    fn get_versioned(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: HeadCheck<'_>,
+    ) -> Result<Option<(Vec<u8>, Head)>> {
+        let key = self.key(rel);
+        let got = self.block_on(async {
+            let r = match self
+                .bucket
+                .store
+                .get_opts(&key, GetOptions::default())
+                .await
+            {
+                Ok(r) => r,
+                Err(e @ object_store::Error::NotFound { .. }) if !is_missing_bucket(&e) => {
+                    return Ok(None)
+                }
+                Err(e) => return Err(self.err(rel, e)),
+            };
+            let meta = r.meta.clone();
+            let want = peek.min(meta.size) as usize;
+            if want == 0 {
+                check(&[], meta.size)?;
+            }
+            let mut body = r.into_stream();
+            let mut bytes = Vec::new();
+            while let Some(part) = body.try_next().await.map_err(|e| self.err(rel, e))? {
+                let before = bytes.len();
+                bytes.extend_from_slice(&part);
+                self.bucket.counters.add_read(part.len() as u64);
+                if bytes.len() as u64 > meta.size {
+                    return Err(CoreError::io(
+                        self.name(rel),
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!(
+                                "the server sent more than the {} bytes it declared",
+                                meta.size
+                            ),
+                        ),
+                    ));
+                }
+                if before < want && bytes.len() >= want {
+                    check(&bytes[..want], meta.size)?;
+                    bytes.reserve_exact(meta.size as usize - bytes.len());
+                }
+            }
+            Ok(Some((bytes, meta)))
+        })?;
+        Ok(got.map(|(bytes, meta)| (bytes, head_of(meta))))
+    }
+
+    fn mode(cond: PutIf<'_>) -> PutMode {
+        match cond {
+            PutIf::Absent => PutMode::Create,
+            PutIf::Version(v) => PutMode::Update(UpdateVersion {
+                e_tag: v.e_tag.clone(),
+                version: v.version.clone(),
+            }),
+        }
+    }
+}
+
+fn head_of(meta: ObjectMeta) -> Head {
+    Head {
+        version: Version {
+            e_tag: meta.e_tag,
+            version: meta.version,
+        },
+        size: meta.size,
+        modified: meta.last_modified.into(),
+    }
+}
+
+impl Storage for ObjectStorage {
+    fn name(&self, rel: &str) -> PathBuf {
+        if rel.is_empty() {
+            PathBuf::from(&self.url)
+        } else {
+            PathBuf::from(format!("{}/{rel}", self.url))
+        }
+    }
+
+    fn open(&self, rel: &str) -> Result<Box<dyn Object>> {
+        let key = self.key(rel);
+        let meta = self
+            .block_on(self.bucket.store.head(&key))
+            .map_err(|e| self.err(rel, e))?;
+        Ok(Box::new(RemoteReader {
+            storage: self.clone(),
+            key,
+            size: meta.size,
+        }))
+    }
+
+    fn get(&self, rel: &str) -> Result<Vec<u8>> {
+        self.get_checked(rel, 0, &|_, _| Ok(()))
+    }
+
+    fn get_checked(&self, rel: &str, peek: u64, check: HeadCheck<'_>) -> Result<Vec<u8>> {
+        match self.get_versioned(rel, peek, check)? {
+            Some((bytes, _)) => Ok(bytes),
+            None => Err(CoreError::io(
+                self.name(rel),
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such object"),
+            )),
+        }
+    }
+
+    /// Refuses an object that exists: data objects are written once, under a fresh save id, so
+    /// one that exists means a reused save id, whose live data must not be overwritten.
+    fn create(&self, rel: &str, size: u64) -> Result<Box<dyn Object>> {
+        if Storage::head(self, rel)?.is_some() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{}: exists; refusing to overwrite it (data objects are written once, under a \
+                 fresh save id: was a save plan reused?)",
+                self.name(rel).display()
+            )));
+        }
+        let fewest = size.div_ceil(MAX_PARTS);
+        let part = if fewest > self.part_size {
+            fewest.next_multiple_of(1 << 20)
+        } else {
+            self.part_size
+        };
+        let key = self.key(rel);
+        let upload = if size > part {
+            let id = self
+                .block_on(self.bucket.multipart.create_multipart(&key))
+                .map_err(|e| self.err(rel, e))?;
+            Some(id)
+        } else {
+            None
+        };
+        let parts = size.div_ceil(part).max(1);
+        Ok(Box::new(RemoteWriter {
+            storage: self.clone(),
+            key,
+            size,
+            part,
+            upload: Mutex::new(upload),
+            parts: (0..parts).map(|_| Mutex::default()).collect(),
+        }))
+    }
+
+    fn persist(&self, _rels: &[&str]) -> Result<()> {
+        Ok(()) // an upload is durable once it completes
+    }
+
+    fn counters(&self) -> &Arc<IoCounters> {
+        &self.bucket.counters
+    }
+
+    fn head(&self, rel: &str) -> Result<Option<Head>> {
+        match self.block_on(self.bucket.store.head(&self.key(rel))) {
+            Ok(meta) => Ok(Some(head_of(meta))),
+            Err(e @ object_store::Error::NotFound { .. }) if !is_missing_bucket(&e) => Ok(None),
+            Err(e) => Err(self.err(rel, e)),
+        }
+    }
+
+    fn get_with_head(
+        &self,
+        rel: &str,
+        peek: u64,
+        check: HeadCheck<'_>,
+    ) -> Result<Option<(Vec<u8>, Head)>> {
+        self.get_versioned(rel, peek, check)
+    }
+
+    /// One LIST (`deep`), or one LIST with a delimiter, whose common prefixes are the
+    /// [`Entry::Dir`]s.
+    fn list(&self, prefix: &str, deep: bool) -> Result<Vec<Entry>> {
+        let base = self.key(prefix);
+        let base = (!base.as_ref().is_empty()).then_some(&base);
+        let strip = if self.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.prefix)
+        };
+        let rel = |p: &ObjectPath| p.as_ref().strip_prefix(&strip).map(str::to_string);
+        let store = &self.bucket.store;
+        if deep {
+            let metas: Vec<_> = self
+                .block_on(store.list(base).try_collect::<Vec<_>>())
+                .map_err(|e| self.err(prefix, e))?;
+            return Ok(metas
+                .iter()
+                .filter_map(|m| rel(&m.location).map(Entry::Object))
+                .collect());
+        }
+        let found = self
+            .block_on(store.list_with_delimiter(base))
+            .map_err(|e| self.err(prefix, e))?;
+        Ok(found
+            .objects
+            .iter()
+            .filter_map(|m| rel(&m.location).map(Entry::Object))
+            .chain(
+                found
+                    .common_prefixes
+                    .iter()
+                    .filter_map(|p| rel(p).map(Entry::Dir)),
+            )
+            .collect())
+    }
+
+    fn delete(&self, rel: &str) -> Result<()> {
+        match self.block_on(self.bucket.store.delete(&self.key(rel))) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.err(rel, e)),
+        }
+    }
+
+    fn put_if(&self, rel: &str, bytes: &[u8], cond: PutIf<'_>) -> Result<Option<Version>> {
+        self.put(rel, bytes, Self::mode(cond))
+    }
+
+    /// One conditional PUT: an object PUT is atomic.
+    fn publish(
+        &self,
+        rel: &str,
+        bytes: &[u8],
+        cond: PutIf<'_>,
+        ready: &dyn Fn() -> Result<()>,
+    ) -> Result<Option<Version>> {
+        ready()?;
+        self.put(rel, bytes, Self::mode(cond))
+    }
+
+    /// A PUT of the same bytes conditional on `version` (an object's time cannot be set).
+    fn touch_if(&self, rel: &str, bytes: &[u8], version: &Version) -> Result<Option<Version>> {
+        self.put(rel, bytes, Self::mode(PutIf::Version(version)))
+    }
+}
