@@ -7,6 +7,7 @@ mod common;
 mod compressed;
 mod coop_oracle;
 mod crash_states;
+mod crash_states_object;
 mod hostile_files;
 mod index_oracle;
 mod io_roundtrip;
