@@ -17,6 +17,7 @@ pub mod load;
 pub mod location;
 pub mod manifest;
 pub mod object;
+pub mod pace;
 pub mod plan;
 pub mod region;
 pub mod rendezvous;

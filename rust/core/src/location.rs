@@ -11,13 +11,15 @@ use crate::object::{is_url, ObjectStorage};
 use crate::storage::{LocalFs, Storage};
 use crate::txn::{SaveOptions, SaveTxn};
 
-/// The storage holding the checkpoint at `location`.
+/// The storage holding the checkpoint at `location` (paced while a benchmark caps reads:
+/// [`crate::pace`]).
 pub fn storage_at(location: &str) -> Result<Arc<dyn Storage>> {
-    Ok(if is_url(location) {
+    let storage: Arc<dyn Storage> = if is_url(location) {
         Arc::new(ObjectStorage::open(location)?)
     } else {
         Arc::new(LocalFs::new(Path::new(location)))
-    })
+    };
+    Ok(crate::pace::paced(storage))
 }
 
 /// The committed manifest of the checkpoint at `location`, with the storage its data is read from.

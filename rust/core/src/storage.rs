@@ -9,8 +9,8 @@ use std::io::{ErrorKind, IoSliceMut, Read};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::SystemTime;
 
 use crate::error::{CoreError, Result};
 use crate::fsops::{self, sync_dir};
@@ -37,48 +37,16 @@ pub static PROCESS_IO: IoCounters = IoCounters {
 };
 
 impl IoCounters {
-    /// Counts `n` bytes read, here and in [`PROCESS_IO`], and paces them ([`set_read_pace`]).
+    /// Counts `n` bytes read, here and in [`PROCESS_IO`].
     pub fn add_read(&self, n: u64) {
         self.read.fetch_add(n, Ordering::Relaxed);
         PROCESS_IO.read.fetch_add(n, Ordering::Relaxed);
-        pace_read(n);
     }
     /// Counts `n` bytes written, here and in [`PROCESS_IO`].
     pub fn add_written(&self, n: u64) {
         self.written.fetch_add(n, Ordering::Relaxed);
         PROCESS_IO.written.fetch_add(n, Ordering::Relaxed);
     }
-}
-
-/// Bytes per second this process may read from storage (0: unbounded; the only state a read
-/// looks at unless a benchmark set a cap), and when the bytes read so far are allowed to have
-/// arrived.
-static PACE_RATE: AtomicU64 = AtomicU64::new(0);
-static PACE_DUE: Mutex<Option<Instant>> = Mutex::new(None);
-
-/// Caps this process's storage reads at `bytes_per_s` (0 lifts the cap): a benchmark's model of
-/// slower shared storage. Reads through every storage, and [`pace_read`] callers, share the cap.
-pub fn set_read_pace(bytes_per_s: u64) {
-    let mut due = PACE_DUE.lock().unwrap();
-    *due = None;
-    PACE_RATE.store(bytes_per_s, Ordering::Relaxed);
-}
-
-/// Waits as long as `n` more bytes take at the paced rate, behind the bytes already read.
-pub fn pace_read(n: u64) {
-    let rate = PACE_RATE.load(Ordering::Relaxed);
-    if rate == 0 {
-        return; // no cap: one atomic load, no lock
-    }
-    let wait = {
-        let mut next = PACE_DUE.lock().unwrap();
-        let now = Instant::now();
-        let due =
-            next.map_or(now, |t| t.max(now)) + Duration::from_secs_f64(n as f64 / rate as f64);
-        *next = Some(due);
-        due - now
-    };
-    std::thread::sleep(wait);
 }
 
 /// A data object open for positional I/O.

@@ -594,17 +594,18 @@ fn plan_read_once(
     }))
 }
 
-/// Caps this process's storage reads at `bytes_per_s` (0 lifts it), for benchmarks modelling
-/// slower shared storage; `pace_read(n)` makes a reader outside the core share the cap.
+/// Caps this process's storage reads at `bytes_per_s` (0 lifts it) for the checkpoints opened
+/// from now on (`core::pace`), for benchmarks modelling slower shared storage; `pace_read(n)`
+/// makes a reader outside the core share the cap.
 #[pyfunction]
 fn set_read_pace(bytes_per_s: u64) {
-    core::storage::set_read_pace(bytes_per_s)
+    core::pace::set_read_pace(bytes_per_s)
 }
 
 /// Waits as long as reading `n` bytes takes under the cap of `set_read_pace`.
 #[pyfunction]
 fn pace_read(py: Python<'_>, n: u64) {
-    py.detach(|| core::storage::pace_read(n))
+    py.detach(|| core::pace::pace_read(n))
 }
 
 /// The path, below the checkpoint, of data file `part` of `rank` in save `save_id` (the core names
