@@ -16,27 +16,27 @@ from olmo_chunks.hf.mapping import (
     BUILTIN_MAPPINGS,
     MappingSpec,
     NativeSource,
-    Op,
     Planned,
-    _apply_shape,
     plan_export,
     plan_import,
     read_planned,
     scatter_planned,
 )
+from olmo_chunks.hf.ops import Blocks, Op, Permute, Take, TrimVocab
 
 
 def oracle(x: torch.Tensor, ops: list[Op], vocab: int | None) -> torch.Tensor:
     """The HF tensor from the whole native tensor, op by op with plain torch."""
     for op in ops:
-        if op.kind == "take":
+        if isinstance(op, Take):
+            assert isinstance(op.index, int)
             x = x.select(op.dim, op.index)
-        elif op.kind == "blocks":
+        elif isinstance(op, Blocks):
             parts = x.chunk(op.parts, op.dim)
             x = torch.cat([parts[o] for o in op.order], op.dim)
-        elif op.kind == "permute":
+        elif isinstance(op, Permute):
             x = x.permute(op.perm)
-        elif vocab is not None:
+        elif isinstance(op, TrimVocab) and vocab is not None:
             x = x.narrow(op.dim, 0, vocab)
     return x
 
@@ -51,24 +51,24 @@ def pipelines(draw):
     cur = tuple(shape)
     if draw(st.booleans()):
         vocab = draw(st.integers(1, cur[0]))
-        ops.append(Op("trim_vocab", dim=0))
-        cur = _apply_shape(ops[-1], cur, vocab, "")
+        ops.append(TrimVocab(0))
+        cur = ops[-1].forward(cur, vocab, "")
     for _ in range(draw(st.integers(0, 3))):
         kind = draw(st.sampled_from(["take", "blocks", "permute"]))
         if kind == "take" and len(cur) > 1:
             d = draw(st.integers(0, len(cur) - 1))
-            op = Op("take", dim=d, index=draw(st.integers(0, cur[d] - 1)))
+            op: Op = Take(d, draw(st.integers(0, cur[d] - 1)))
         elif kind == "blocks":
             d = draw(st.integers(0, len(cur) - 1))
             parts = draw(st.sampled_from([p for p in (1, 2, 3) if cur[d] % p == 0]))
             order = tuple(draw(st.lists(st.integers(0, parts - 1), min_size=1, max_size=parts)))
-            op = Op("blocks", dim=d, parts=parts, order=order)
+            op = Blocks(d, parts, order)
         elif kind == "permute":
-            op = Op("permute", perm=tuple(draw(st.permutations(range(len(cur))))))
+            op = Permute(tuple(draw(st.permutations(range(len(cur))))))
         else:
             continue
         ops.append(op)
-        cur = _apply_shape(op, cur, vocab, "")
+        cur = op.forward(cur, vocab, "")
     off = [draw(st.integers(0, n - 1)) for n in cur]
     size = [draw(st.integers(1, n - o)) for n, o in zip(cur, off, strict=True)]
     return shape, vocab, ops, off, size
@@ -77,7 +77,7 @@ def pipelines(draw):
 def _planned(shape, vocab, ops) -> Planned:
     shapes = [tuple(shape)]
     for op in ops:
-        shapes.append(_apply_shape(op, shapes[-1], vocab, ""))
+        shapes.append(op.forward(shapes[-1], vocab, ""))
     src = NativeSource("n", "n", 0, torch.float32, tuple(shape), tuple(shape))
     return Planned("h", "n", ops, shapes, src)
 
@@ -113,7 +113,7 @@ def test_scatter_inverts_read(case):
     hit = native >= 0
     assert torch.equal(native[hit], x[hit])
     # Distinct source elements unless a blocks op repeats a block.
-    if all(len(set(op.order)) == len(op.order) for op in ops if op.kind == "blocks"):
+    if all(len(set(op.order)) == len(op.order) for op in ops if isinstance(op, Blocks)):
         assert int(hit.sum()) == box.numel()
 
 
@@ -236,3 +236,50 @@ def test_import_plan_infers_native_shapes():
         "model.layers.0.mlp.experts.1.up_proj.weight: missing (part of native "
         "blocks.0.feed_forward_moe.experts.w_up_gate)" in problems
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_each_op_inverts_its_own_shape_map(data):
+    """Every op owns both directions of its shape map: where it is a bijection (a permutation,
+    all blocks reordered, a take enumerated over its variable, an untrimmed vocab), the inverse of
+    the forward shape is the input shape."""
+    from olmo_chunks.hf.ops import Transpose
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=2, max_size=4)))
+    d = data.draw(st.integers(0, len(shape) - 1))
+    kind = data.draw(st.sampled_from(["take", "blocks", "permute", "transpose", "trim_vocab"]))
+    counts: dict[str, int] = {}
+    vocab = None
+    if kind == "take":
+        spec_op: Op = Take(d, "e")
+        counts = {"e": shape[d]}
+        op = spec_op.bind({"e": data.draw(st.integers(0, shape[d] - 1))}, len(shape))
+    elif kind == "blocks":
+        parts = data.draw(st.sampled_from([p for p in (1, 2, 3) if shape[d] % p == 0]))
+        spec_op = op = Blocks(d, parts, tuple(data.draw(st.permutations(range(parts)))))
+    elif kind == "permute":
+        spec_op = op = Permute(tuple(data.draw(st.permutations(range(len(shape))))))
+    elif kind == "transpose":
+        spec_op = Transpose(d, data.draw(st.integers(0, len(shape) - 1)))
+        op = spec_op.bind({}, len(shape))
+    else:
+        spec_op = op = TrimVocab(d)
+        vocab = shape[d]
+    out = op.forward(shape, vocab, "")
+    assert spec_op.inverse(out, counts, 1, "") == shape
+    assert op.describe() == {next(iter(op.describe())): next(iter(op.describe().values()))}
+
+
+@pytest.mark.parametrize(("ops", "message"), [
+    ([{"squeeze": {}}], "unknown op 'squeeze'"),
+    ([{"take": {"index": 1.5}}], "take needs an int index or a variable name"),
+    ([{"blocks": {"parts": 2, "order": [2]}}], "blocks needs parts > 0"),
+    ([{"take": {"dim": "0", "index": 0}}], "take dim must be an int"),
+    ([{"permute": [0], "take": {}}], "must be an object with one key"),
+    ([{"unflatten": {"sizes": "x"}}], "unflatten needs a list of sizes"),
+])
+def test_each_op_refuses_its_bad_arguments(ops, message):
+    text = json.dumps({"format": "olmo-chunks-mapping/1", "tensors": [{"native": "a", "hf": "b", "ops": ops}]})
+    with pytest.raises(InvalidArgumentError, match=message):
+        MappingSpec.parse(text)

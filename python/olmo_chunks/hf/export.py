@@ -44,6 +44,7 @@ from .mapping import (
     read_planned,
     scatter_planned,
 )
+from .ops import TrimVocab
 from .safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter
 from .shapes import contiguous_boxes
 
@@ -399,7 +400,7 @@ def _import_into(session: SaveSession, src: SafetensorsDir | TensorDictSource, p
         e = es[0]
         assert e.source is not None
         for op, shp in zip(e.ops, e.shapes, strict=False):
-            if op.kind == "trim_vocab" and plan.vocab_size is not None and shp[op.dim] > plan.vocab_size:
+            if isinstance(op, TrimVocab) and plan.vocab_size is not None and shp[op.dim] > plan.vocab_size:
                 pad_shape = list(shp)
                 pad_shape[op.dim] -= plan.vocab_size
                 n = _box_elems(memory_budget // 2, [e.source.dtype.itemsize])
@@ -482,7 +483,7 @@ def _compare(
         if act is None:
             why.append("missing from the HF side")
         elif tuple(act.shape) != tuple(e.shape):
-            trims = [(op, shp) for op, shp in zip(e.ops, e.shapes, strict=False) if op.kind == "trim_vocab"]
+            trims = [(op, shp) for op, shp in zip(e.ops, e.shapes, strict=False) if isinstance(op, TrimVocab)]
             if trims and len(act.shape) == len(e.shape):
                 op, shp = trims[0]
                 rows, want = act.shape[op.dim], e.shape[op.dim]

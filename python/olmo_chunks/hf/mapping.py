@@ -34,6 +34,7 @@ from .. import _core, values
 from ..errors import InvalidArgumentError
 from ..roles import MAIN_WEIGHT
 from ..shards import torch_dtype
+from .ops import Op, Take, TrimVocab, Unflatten, parse_op
 from .shapes import numel, strides
 
 __all__ = [
@@ -62,32 +63,11 @@ def _natural(s: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-@dataclass(frozen=True)
-class Op:
-    """One concrete layout op (native -> HF direction)."""
-
-    kind: str  # take | blocks | permute | trim_vocab
-    dim: int = 0
-    index: int = 0
-    parts: int = 1
-    order: tuple[int, ...] = ()
-    perm: tuple[int, ...] = ()
-
-    def describe(self) -> dict[str, Any]:
-        if self.kind == "take":
-            return {"take": {"dim": self.dim, "index": self.index}}
-        if self.kind == "blocks":
-            return {"blocks": {"dim": self.dim, "parts": self.parts, "order": list(self.order)}}
-        if self.kind == "permute":
-            return {"permute": list(self.perm)}
-        return {"trim_vocab": {"dim": self.dim}}
-
-
 @dataclass
 class _Rule:
     native: str
     hf: str
-    ops: list[dict[str, Any]]
+    ops: list[Op]
     native_re: re.Pattern[str]
     hf_re: re.Pattern[str]
     take_vars: list[str]
@@ -159,45 +139,19 @@ class MappingSpec:
             ops = r.get("ops", [])
             if not isinstance(ops, list):
                 raise _bad(where, '"ops" must be a list')
-            take_vars = []
-            for j, op in enumerate(ops):
-                if not isinstance(op, dict) or len(op) != 1:
-                    raise _bad(where, f"op {j} must be an object with one key")
-                ((kind, arg),) = op.items()
-                if kind == "unflatten" and j != 0:
+            parsed = [parse_op(op, f"{where} op {j}") for j, op in enumerate(ops)]
+            for j, op in enumerate(parsed):
+                if isinstance(op, Unflatten) and j != 0:
                     raise _bad(where, "unflatten must be the first op")
-                if kind == "trim_vocab" and not (j == 0 or (j == 1 and "unflatten" in ops[0])):
+                if isinstance(op, TrimVocab) and not (j == 0 or (j == 1 and isinstance(parsed[0], Unflatten))):
                     raise _bad(where, "trim_vocab must come first (after unflatten)")
-                if kind == "take":
-                    idx = arg.get("index") if isinstance(arg, dict) else None
-                    if isinstance(idx, str):
-                        take_vars.append(idx)
-                    elif not isinstance(idx, int):
-                        raise _bad(where, "take needs an int index or a variable name")
-                elif kind == "blocks":
-                    if not (
-                        isinstance(arg, dict)
-                        and isinstance(arg.get("parts"), int)
-                        and arg["parts"] > 0
-                        and isinstance(arg.get("order"), list)
-                        and all(isinstance(o, int) and 0 <= o < arg["parts"] for o in arg["order"])
-                    ):
-                        raise _bad(where, "blocks needs parts > 0 and an order of block indices")
-                elif kind in ("permute", "transpose"):
-                    if not (isinstance(arg, list) and all(isinstance(x, int) for x in arg)):
-                        raise _bad(where, f"{kind} needs a list of dims")
-                elif kind not in ("unflatten", "trim_vocab"):
-                    raise _bad(where, f"unknown op {kind!r}")
-                if kind in ("take", "blocks", "trim_vocab", "unflatten") and not isinstance(
-                    (arg or {}).get("dim", 0), int
-                ):
-                    raise _bad(where, f"{kind} dim must be an int")
+            take_vars = [v for op in parsed if isinstance(op, Take) and (v := op.variable) is not None]
             native_vars = set(_VAR.findall(r["native"]))
             hf_vars = set(_VAR.findall(r["hf"]))
             if hf_vars != native_vars | set(take_vars) or native_vars & set(take_vars):
                 raise _bad(where, "HF placeholders must be the native ones plus the take variables")
             rules.append(
-                _Rule(r["native"], r["hf"], ops, _pattern(r["native"]), _pattern(r["hf"]), take_vars)
+                _Rule(r["native"], r["hf"], parsed, _pattern(r["native"]), _pattern(r["hf"]), take_vars)
             )
         if not rules:
             raise _bad(source, 'no "tensors" rules')
@@ -347,93 +301,25 @@ class TensorPlan:
     spec: MappingSpec | None = None
 
 
-def _apply_shape(op: Op, shape: tuple[int, ...], vocab: int | None, where: str) -> tuple[int, ...]:
-    s = list(shape)
-    if not (0 <= op.dim < len(s)) and op.kind != "permute":
-        raise InvalidArgumentError(f"{where}: op {op.describe()} dim out of range for shape {shape}")
-    if op.kind == "take":
-        if not 0 <= op.index < s[op.dim]:
-            raise InvalidArgumentError(f"{where}: take index {op.index} outside dim of size {s[op.dim]}")
-        del s[op.dim]
-    elif op.kind == "blocks":
-        if s[op.dim] % op.parts:
-            raise InvalidArgumentError(f"{where}: dim {op.dim} of size {s[op.dim]} is not {op.parts} blocks")
-        s[op.dim] = s[op.dim] // op.parts * len(op.order)
-    elif op.kind == "permute":
-        if sorted(op.perm) != list(range(len(s))):
-            raise InvalidArgumentError(f"{where}: permute {list(op.perm)} does not fit shape {shape}")
-        s = [s[p] for p in op.perm]
-    elif op.kind == "trim_vocab" and vocab is not None:
-        if vocab > s[op.dim]:
-            raise InvalidArgumentError(
-                f"{where}: saved vocab size {vocab} exceeds the tensor's {s[op.dim]} rows"
-            )
-        s[op.dim] = vocab
-    return tuple(s)
-
-
-def _concrete(op: dict[str, Any], vars: Mapping[str, int], ndim: int) -> Op:
-    ((kind, arg),) = op.items()
-    if kind == "take":
-        idx = arg["index"]
-        return Op("take", dim=int(arg.get("dim", 0)), index=int(vars[idx]) if isinstance(idx, str) else idx)
-    if kind == "blocks":
-        return Op("blocks", dim=int(arg.get("dim", 0)), parts=int(arg["parts"]), order=tuple(arg["order"]))
-    if kind == "transpose":
-        a, b = arg
-        perm = list(range(ndim))
-        perm[a], perm[b] = perm[b], perm[a]
-        return Op("permute", perm=tuple(perm))
-    if kind == "permute":
-        return Op("permute", perm=tuple(arg))
-    return Op("trim_vocab", dim=int((arg or {}).get("dim", 0)))
-
-
-def _unflatten_shape(
-    op: dict[str, Any], shape: tuple[int, ...], dims: Mapping[str, int], where: str
-) -> tuple[int, ...]:
-    arg = op["unflatten"]
-    d = int(arg.get("dim", 0))
-    sizes = []
-    for x in arg["sizes"]:
-        if isinstance(x, str):
-            if x not in dims:
-                raise InvalidArgumentError(f"{where}: unflatten size {x!r} is not a known dim")
-            x = dims[x]
-        sizes.append(int(x))
-    if sizes.count(-1) > 1 or not 0 <= d < len(shape):
-        raise InvalidArgumentError(f"{where}: bad unflatten {arg}")
-    known = numel([x for x in sizes if x != -1])
-    if known == 0 or shape[d] % known:
-        raise InvalidArgumentError(f"{where}: cannot unflatten size {shape[d]} into {sizes}")
-    sizes = [shape[d] // known if x == -1 else x for x in sizes]
-    if numel(sizes) != shape[d]:
-        raise InvalidArgumentError(f"{where}: cannot unflatten size {shape[d]} into {sizes}")
-    return tuple(shape[:d]) + tuple(sizes) + tuple(shape[d + 1 :])
-
-
 def _expand(
     rule: _Rule, vars: dict[str, int], shape0: tuple[int, ...], vocab: int | None, where: str
 ) -> list[tuple[dict[str, int], list[Op], list[tuple[int, ...]]]]:
     """Every concrete instance of `rule` (one per value of its take variables)."""
-    ops = [o for o in rule.ops if "unflatten" not in o]
+    ops = [o for o in rule.ops if not isinstance(o, Unflatten)]
     out = []
 
     def rec(i: int, vs: dict[str, int], done: list[Op], shapes: list[tuple[int, ...]]) -> None:
         if i == len(ops):
             out.append((dict(vs), list(done), list(shapes)))
             return
-        raw = ops[i]
-        ((kind, arg),) = raw.items()
-        if kind == "take" and isinstance(arg["index"], str):
-            var = arg["index"]
-            n = shapes[-1][int(arg.get("dim", 0))] if int(arg.get("dim", 0)) < len(shapes[-1]) else 0
-            for v in [vs[var]] if var in vs else range(n):
-                op = _concrete(raw, {**vs, var: v}, len(shapes[-1]))
-                rec(i + 1, {**vs, var: v}, [*done, op], [*shapes, _apply_shape(op, shapes[-1], vocab, where)])
-            return
-        op = _concrete(raw, vs, len(shapes[-1]))
-        rec(i + 1, vs, [*done, op], [*shapes, _apply_shape(op, shapes[-1], vocab, where)])
+        spec_op, cur = ops[i], shapes[-1]
+        choices = [vs]
+        if isinstance(spec_op, Take) and (var := spec_op.variable) is not None:
+            n = cur[spec_op.dim] if spec_op.dim < len(cur) else 0
+            choices = [{**vs, var: v} for v in ([vs[var]] if var in vs else range(n))]
+        for bound in choices:
+            op = spec_op.bind(bound, len(shapes[-1]))
+            rec(i + 1, bound, [*done, op], [*shapes, op.forward(shapes[-1], vocab, where)])
 
     rec(0, dict(vars), [], [shape0])
     return out
@@ -518,15 +404,15 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
             where = f"{src.key} -> {rule.hf}"
             try:
                 shape0 = src.shape
-                if rule.ops and "unflatten" in rule.ops[0]:
-                    shape0 = _unflatten_shape(rule.ops[0], src.shape, dims, where)
+                if rule.ops and isinstance(rule.ops[0], Unflatten):
+                    shape0 = rule.ops[0].logical_shape(src.shape, dims, where)
                     if src.shape != shape0:
                         src.shape = shape0
                 for vs, ops, shapes in _expand(rule, vars, shape0, vocab, where):
                     for v in rule.take_vars:
                         take_counts.setdefault(v, set()).add(vs[v])
                     for op, shp in zip(ops, shapes, strict=False):
-                        if op.kind == "trim_vocab":
+                        if isinstance(op, TrimVocab):
                             plan.padded_vocab_size = shp[op.dim]
                     plan.entries.append(Planned(rule.hf.format(**vs), name, ops, shapes, src, rule.hf))
             except InvalidArgumentError as exc:
@@ -580,7 +466,7 @@ def _check_plan(plan: TensorPlan) -> None:
                 plan.problems.append(f"{name}: rules disagree on its shape ({shape0} vs {e.shapes[0]})")
                 continue
             for op, shp in zip(e.ops, e.shapes, strict=False):
-                if op.kind == "trim_vocab":
+                if isinstance(op, TrimVocab):
                     want = (
                         want
                         // shp[op.dim]
@@ -621,38 +507,10 @@ def read_planned(
         if k == 0:
             assert e.source is not None
             return load(e.source, off, size)
-        op, in_shape = e.ops[k - 1], e.shapes[k - 1]
-        if op.kind == "take":
-            d = op.dim
-            return rec(k - 1, [*off[:d], op.index, *off[d:]], [*size[:d], 1, *size[d:]]).select(d, 0)
-        if op.kind == "blocks":
-            parts = []
-            for src_off, seg_off, seg_size in _segments(op, in_shape, off[op.dim], size[op.dim]):
-                o, s = list(off), list(size)
-                o[op.dim], s[op.dim] = src_off, seg_size
-                parts.append(rec(k - 1, o, s))
-                del seg_off
-            return parts[0] if len(parts) == 1 else torch.cat(parts, op.dim)
-        if op.kind == "permute":
-            o, s = [0] * len(off), [0] * len(off)
-            for i, p in enumerate(op.perm):
-                o[p], s[p] = off[i], size[i]
-            return rec(k - 1, o, s).permute(op.perm)
-        return rec(k - 1, off, size)
+        return e.ops[k - 1].read(lambda o, s: rec(k - 1, o, s), off, size, e.shapes[k - 1])
 
     out = rec(len(e.ops), [int(x) for x in off], [int(x) for x in size])
     return out if out.is_contiguous() else out.contiguous()
-
-
-def _segments(op: Op, in_shape: Sequence[int], a: int, n: int) -> list[tuple[int, int, int]]:
-    """For output range [a, a+n) of a blocks op: `(input_offset, output_offset, size)` pieces."""
-    b = in_shape[op.dim] // op.parts
-    out = []
-    for j, src in enumerate(op.order):
-        lo, hi = max(a, j * b), min(a + n, (j + 1) * b)
-        if lo < hi:
-            out.append((src * b + lo - j * b, lo - a, hi - lo))
-    return out
 
 
 def scatter_planned(
@@ -664,64 +522,12 @@ def scatter_planned(
     def rec(k: int, off: list[int], size: list[int], x: torch.Tensor | None) -> list[Any]:
         if k == 0:
             return [(off, size, x)]
-        op, in_shape = e.ops[k - 1], e.shapes[k - 1]
-        if op.kind == "take":
-            d = op.dim
-            return rec(
-                k - 1,
-                [*off[:d], op.index, *off[d:]],
-                [*size[:d], 1, *size[d:]],
-                None if x is None else x.unsqueeze(d),
-            )
-        if op.kind == "blocks":
-            out = []
-            for src_off, seg_off, seg_size in _segments(op, in_shape, off[op.dim], size[op.dim]):
-                o, s = list(off), list(size)
-                o[op.dim], s[op.dim] = src_off, seg_size
-                out.extend(rec(k - 1, o, s, None if x is None else x.narrow(op.dim, seg_off, seg_size)))
-            return out
-        if op.kind == "permute":
-            o, s = [0] * len(off), [0] * len(off)
-            inv = [0] * len(off)
-            for i, p in enumerate(op.perm):
-                o[p], s[p] = off[i], size[i]
-                inv[p] = i
-            return rec(k - 1, o, s, None if x is None else x.permute(inv))
-        return rec(k - 1, off, size, x)
+        return e.ops[k - 1].scatter(lambda o, s, y: rec(k - 1, o, s, y), off, size, x, e.shapes[k - 1])
 
     return rec(len(e.ops), [int(x) for x in off], [int(x) for x in size], data)
 
 
 # --- import planning (HF names -> native tensors) ---------------------------------------------
-
-
-def _invert_shape(
-    op_raw: dict[str, Any], shape: tuple[int, ...], counts: Mapping[str, int], pad_multiple: int, where: str
-) -> tuple[int, ...]:
-    ((kind, arg),) = op_raw.items()
-    s = list(shape)
-    if kind == "take":
-        d = int(arg.get("dim", 0))
-        idx = arg["index"]
-        s.insert(d, counts[idx] if isinstance(idx, str) else idx + 1)
-    elif kind == "blocks":
-        d, n = int(arg.get("dim", 0)), len(arg["order"])
-        if not n or s[d] % n:
-            raise InvalidArgumentError(f"{where}: dim {d} of size {s[d]} is not {n} blocks")
-        s[d] = s[d] // n * int(arg["parts"])
-    elif kind in ("permute", "transpose"):
-        if kind == "transpose":
-            a, b = arg
-            s[a], s[b] = s[b], s[a]
-        else:
-            out = [0] * len(s)
-            for i, p in enumerate(arg):
-                out[p] = s[i]
-            s = out
-    elif kind == "trim_vocab":
-        d = int((arg or {}).get("dim", 0))
-        s[d] = -(-s[d] // pad_multiple) * pad_multiple
-    return tuple(s)
 
 
 def plan_import(  # noqa: PLR0915
@@ -759,21 +565,18 @@ def plan_import(  # noqa: PLR0915
                 layers.add(vars["layer"])
             s = tuple(hf_shapes[name])
             try:
-                for op_raw in reversed([o for o in rule.ops if "unflatten" not in o]):
-                    if "trim_vocab" in op_raw:
-                        d = int((op_raw["trim_vocab"] or {}).get("dim", 0))
-                        if vocab is not None and vocab != s[d]:
-                            problems.append(f"{name}: vocab size {s[d]}, another tensor has {vocab}")
-                        vocab = s[d]
-                    s = _invert_shape(op_raw, s, counts, pad, where)
+                for op in reversed([o for o in rule.ops if not isinstance(o, Unflatten)]):
+                    if isinstance(op, TrimVocab):
+                        if vocab is not None and vocab != s[op.dim]:
+                            problems.append(f"{name}: vocab size {s[op.dim]}, another tensor has {vocab}")
+                        vocab = s[op.dim]
+                    s = op.inverse(s, counts, pad, where)
             except (InvalidArgumentError, IndexError, KeyError) as exc:
                 problems.append(f"{where}: cannot invert the mapping ({exc})")
                 continue
             shape0s.setdefault(s, name)
-            if rule.ops and "unflatten" in rule.ops[0]:
-                d = int(rule.ops[0]["unflatten"].get("dim", 0))
-                k = len(rule.ops[0]["unflatten"]["sizes"])
-                saved_shape = (*s[:d], numel(s[d : d + k]), *s[d + k :])
+            if rule.ops and isinstance(rule.ops[0], Unflatten):
+                saved_shape = rule.ops[0].saved_shape(s)
         if len(shape0s) != 1:
             problems.append(f"{native}: HF tensors imply different shapes {sorted(shape0s)}")
             continue
