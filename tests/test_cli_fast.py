@@ -58,8 +58,8 @@ def test_package_import_is_torch_free() -> None:
 
 
 def test_library_modules_do_not_import_the_cli() -> None:
-    code = ("import sys, olmo_chunks.dcp, olmo_chunks.hf.export, olmo_chunks.bench; "
-            "assert 'olmo_chunks.cli' not in sys.modules")
+    code = ("import sys, olmo_chunks.dcp, olmo_chunks.hf.export, olmo_chunks.hf.importer, olmo_chunks.hf.validate, "
+            "olmo_chunks.bench; assert 'olmo_chunks.cli' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 

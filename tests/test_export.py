@@ -18,9 +18,12 @@ from olmo_chunks import _core
 from olmo_chunks.cli import main
 from olmo_chunks.errors import ConversionError, InvalidArgumentError
 from olmo_chunks.experts import ExpertFlatView, ExpertLayout
-from olmo_chunks.hf.export import export_checkpoint, import_hf, parse_bytes, validate_conversion
+from olmo_chunks.hf.common import parse_bytes
+from olmo_chunks.hf.export import export_checkpoint
+from olmo_chunks.hf.importer import import_hf
 from olmo_chunks.hf.mapping import hf_expert_layout
 from olmo_chunks.hf.safetensors_io import INDEX_NAME, SafetensorsDir, ShardedWriter
+from olmo_chunks.hf.validate import validate_conversion
 
 from tests import world
 

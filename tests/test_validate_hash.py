@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 import torch
-from olmo_chunks.hf.export import _hash_file, validate_conversion
+from olmo_chunks.hf.validate import _hash_file, validate_conversion
 
 from tests.test_export import hf_config, olmoe_hf_oracle, olmoe_native, save_native, write_hf
 

@@ -49,9 +49,9 @@ COMMANDS = [
     Command("export", "stream main weights into sharded safetensors / a Hugging Face model directory",
             "olmo_chunks.hf.export", "_export_args", "_export_cmd", watch="out"),
     Command("import-hf", "write a native checkpoint from a Hugging Face safetensors model directory",
-            "olmo_chunks.hf.export", "_import_args", "_import_cmd", watch="ckpt"),
+            "olmo_chunks.hf.importer", "_import_args", "_import_cmd", watch="ckpt"),
     Command("validate-conversion", "exhaustively compare a native checkpoint with its HF export (two passes)",
-            "olmo_chunks.hf.export", "_validate_args", "_validate_cmd"),
+            "olmo_chunks.hf.validate", "_validate_args", "_validate_cmd"),
     Command("bench", "save and resharded-load throughput against torch DCP and the raw I/O roofline",
             "olmo_chunks.bench", "configure", "main"),
 ]
