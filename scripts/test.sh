@@ -5,18 +5,18 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
-echo "[test] cargo fmt / clippy" >&2
+echo "[test +${SECONDS}s] cargo fmt / clippy" >&2
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -q -- -D warnings
-echo "[test] cargo test" >&2
+echo "[test +${SECONDS}s] cargo test" >&2
 cargo test --release -q -p olmo-chunks-core
-echo "[test] ruff" >&2
+echo "[test +${SECONDS}s] ruff" >&2
 ruff check python tests benches examples
-echo "[test] stubtest (python/olmo_chunks/_core.pyi against the built extension)" >&2
+echo "[test +${SECONDS}s] stubtest (python/olmo_chunks/_core.pyi against the built extension)" >&2
 python -m mypy.stubtest olmo_chunks._core
-echo "[test] mypy (the package)" >&2
+echo "[test +${SECONDS}s] mypy (the package)" >&2
 python -m mypy
-echo "[test] the wheel as users install it (scripts/wheel_smoke.sh)" >&2
+echo "[test +${SECONDS}s] the wheel as users install it (scripts/wheel_smoke.sh)" >&2
 bash scripts/wheel_smoke.sh
-echo "[test] pytest" >&2
+echo "[test +${SECONDS}s] pytest" >&2
 python -m pytest -q -p no:cacheprovider "$@"

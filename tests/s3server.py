@@ -87,12 +87,16 @@ class S3Server:
 
 class Relay:
     """`tcp_relay.py` on `port` forwarding to `target`; with `die_after`, it exits abruptly once it
-    has forwarded that many bytes towards the server."""
+    has forwarded that many bytes towards the server; with `freeze_after`, it then forwards nothing
+    more, holding every connection open (a server that accepts and never answers)."""
 
-    def __init__(self, port: int, target: int, die_after: int | None = None) -> None:
+    def __init__(self, port: int, target: int, die_after: int | None = None,
+                 freeze_after: int | None = None) -> None:
         cmd = [sys.executable, str(HERE / "tcp_relay.py"), str(port), str(target)]
         if die_after is not None:
             cmd.append(str(die_after))
+        elif freeze_after is not None:
+            cmd += [str(freeze_after), "freeze"]
         self.port = port
         self.proc = subprocess.Popen(cmd)
         wait_listening(port, self.proc)

@@ -264,6 +264,40 @@ def test_a_server_killed_mid_save_fails_every_rank_and_keeps_the_previous_checkp
     assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"k/{f.path}" for f in m.files)
 
 
+def timed_save(url: str, seed: int) -> tuple[str, float]:
+    t0 = time.monotonic()
+    outcome = save_and_report(url, seed)
+    return outcome, time.monotonic() - t0
+
+
+def test_a_frozen_server_fails_every_rank_within_the_retry_budget_and_keeps_the_previous_checkpoint(s3, bucket):
+    # A server that accepts and never answers: each request's deadline is the retry budget (2 s
+    # here), not the client's 30 s default times its retries.
+    url = f"s3://{bucket}/frozen"
+    port = free_port()
+    env = s3.env(port, OLMO_CHUNKS_RETRY_TIMEOUT="2")
+    relay = Relay(port, s3.port)
+    try:
+        assert world.run(2, in_env, env, save_and_report, url, 10) == ["ok", "ok"]
+    finally:
+        relay.close()
+    relay = Relay(port, s3.port, freeze_after=2_000_000)  # freezes inside the 8 MB of data uploads
+    try:
+        results = world.run(2, in_env, env, timed_save, url, 20, timeout=120)
+    finally:
+        relay.close()
+    print(f"\nfrozen server, budget 2 s: ranks failed after {[round(t, 1) for _, t in results]} s: "
+          f"{[r.split(':')[0] for r, _ in results]}")
+    assert all(r != "ok" for r, _ in results), results  # every rank raised an olmo-chunks error
+    assert any(r.startswith("StorageError") for r, _ in results), results
+    assert max(t for _, t in results) < 2 + 15, results  # was 62-95 s with this budget
+    relay = Relay(port, s3.port)  # the server is back: the previous checkpoint is there
+    try:
+        assert world.run(2, in_env, env, load_state, url, 10) == [True, True]
+    finally:
+        relay.close()
+
+
 def test_racing_saves_commit_one_checkpoint_and_the_loser_gets_a_clear_error(s3, bucket):
     url = f"s3://{bucket}/race"
     barrier = threading.Barrier(2)

@@ -4,8 +4,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use object_store::aws::AmazonS3ConfigKey;
+use object_store::gcp::GoogleConfigKey;
 use object_store::multipart::MultipartStore;
-use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, RetryConfig};
 use tokio::runtime::Runtime;
 
 use crate::error::{CoreError, Result};
@@ -54,14 +56,20 @@ pub(super) fn runtime() -> Result<Arc<Runtime>> {
     with_clients(|c| Ok(c.runtime.clone()))
 }
 
-/// The retry policy: backoff from 100 ms to 15 s, at most 10 retries and
-/// `OLMO_CHUNKS_RETRY_TIMEOUT` seconds (default 120) from a request's first try.
-fn retry_config() -> RetryConfig {
-    let timeout = std::env::var("OLMO_CHUNKS_RETRY_TIMEOUT")
+/// `OLMO_CHUNKS_RETRY_TIMEOUT` seconds (default 120): how long one operation may take, retries
+/// included.
+fn retry_budget() -> Duration {
+    std::env::var("OLMO_CHUNKS_RETRY_TIMEOUT")
         .ok()
         .and_then(|v| v.parse::<f64>().ok())
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .unwrap_or(Duration::from_secs(120));
+        .filter(|d| !d.is_zero())
+        .unwrap_or(Duration::from_secs(120))
+}
+
+/// The retry policy: backoff from 100 ms to 15 s, at most 10 retries, no retry begun after the
+/// budget from a request's first try.
+fn retry_config(budget: Duration) -> RetryConfig {
     RetryConfig {
         backoff: BackoffConfig {
             init_backoff: Duration::from_millis(100),
@@ -69,8 +77,25 @@ fn retry_config() -> RetryConfig {
             base: 2.0,
         },
         max_retries: 10,
-        retry_timeout: timeout,
+        retry_timeout: budget,
     }
+}
+
+/// The deadlines of one request, from the budget: connecting at most `min(budget, 5 s)`, the whole
+/// request at most the budget, and no more than that between two reads of a body. So a server
+/// that accepts and never answers, or stalls mid-body, fails its request by the budget, and the
+/// retry policy begins no retry after it: an operation ends within about one budget, never
+/// waiting on a client default (30 s a try) times the retries.
+fn deadlines(budget: Duration) -> [(ClientConfigKey, String); 3] {
+    let secs = |d: Duration| format!("{}ms", d.as_millis().max(1));
+    [
+        (
+            ClientConfigKey::ConnectTimeout,
+            secs(budget.min(Duration::from_secs(5))),
+        ),
+        (ClientConfigKey::Timeout, secs(budget)),
+        (ClientConfigKey::ReadTimeout, secs(budget)),
+    ]
 }
 
 /// Splits `url` into its bucket URL (`s3://bucket`) and the key prefix below it.
@@ -100,27 +125,28 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
             return Ok(b.clone());
         }
         let bad = |e: object_store::Error| CoreError::InvalidArgument(format!("{key}: {e}"));
+        let budget = retry_budget();
         let b = if scheme == "gs" {
-            let gcs = Arc::new(
-                object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                    .with_bucket_name(bucket)
-                    .with_retry(retry_config())
-                    .build()
-                    .map_err(bad)?,
-            );
+            let mut builder = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry_config(budget));
+            for (key, value) in deadlines(budget) {
+                builder = builder.with_config(GoogleConfigKey::Client(key), value);
+            }
+            let gcs = Arc::new(builder.build().map_err(bad)?);
             Bucket {
                 store: gcs.clone(),
                 multipart: gcs,
                 counters: Arc::default(),
             }
         } else {
-            let s3 = Arc::new(
-                object_store::aws::AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .with_retry(retry_config())
-                    .build()
-                    .map_err(bad)?,
-            );
+            let mut builder = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry_config(budget));
+            for (key, value) in deadlines(budget) {
+                builder = builder.with_config(AmazonS3ConfigKey::Client(key), value);
+            }
+            let s3 = Arc::new(builder.build().map_err(bad)?);
             Bucket {
                 store: s3.clone(),
                 multipart: s3,

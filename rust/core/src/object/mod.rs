@@ -14,7 +14,8 @@
 //! Credentials, region and endpoint come from the standard environment variables
 //! (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ... or `GOOGLE_*`). Requests are retried with
 //! backoff on throttling, 5xx and dropped connections, bounded in count and time
-//! (`OLMO_CHUNKS_RETRY_TIMEOUT` seconds, default 120), then fail with an I/O error.
+//! (`OLMO_CHUNKS_RETRY_TIMEOUT` seconds, default 120, also each request's deadline), then fail
+//! with an I/O error.
 
 mod client;
 mod storage;
