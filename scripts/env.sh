@@ -31,6 +31,12 @@ fi
 export VENV
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
+# The pyo3 environment maturin builds the extension with, for every cargo command (clippy checks the
+# extension crate too): with another one, each invalidates the other's pyo3 build, and the next
+# maturin build recompiles pyo3 and relinks the extension (~50 s on 2 cores).
+export PYO3_PYTHON="$VENV/bin/python" PYTHON_SYS_EXECUTABLE="$VENV/bin/python" PYO3_BUILD_EXTENSION_MODULE=1
+PYO3_ENVIRONMENT_SIGNATURE="$("$VENV/bin/python" -c 'import platform, sys; v = sys.version_info; print(f"{platform.python_implementation().lower()}-{v[0]}.{v[1]}-64bit")')"
+export PYO3_ENVIRONMENT_SIGNATURE
 if [ "${OLMO_CHUNKS_SKIP_BUILD:-0}" != 1 ]; then
     echo "[setup] building the native extension (maturin develop --release)" >&2
     (cd "$ROOT" && maturin develop --release -q >&2)

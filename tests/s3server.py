@@ -108,6 +108,24 @@ class Relay:
         stop(self.proc)
 
 
+class FaultProxy:
+    """`fault_proxy.py` on a free port in front of the server at `target`: the first `count`
+    `method` requests for data objects get `fault`. `faults()` is how many it injected so far."""
+
+    def __init__(self, target: int, fault: str, method: str, count: int) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, str(HERE / "fault_proxy.py"), str(self.port), str(target), fault, method, str(count)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        wait_listening(self.port, self.proc)
+
+    def close(self) -> int:
+        """Stops the proxy; returns how many faults it injected."""
+        stop(self.proc)
+        assert self.proc.stdout is not None
+        lines = self.proc.stdout.read().split()
+        return int(lines[-1]) if lines else 0
+
+
 def in_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     """Runs `fn(*args)` with `env` set (on a rank of a persistent world, which outlives tests)."""
     os.environ.update(env)

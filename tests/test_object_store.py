@@ -24,7 +24,7 @@ from olmo_chunks.errors import (
 )
 
 from tests import world
-from tests.s3server import Relay, free_port, in_env
+from tests.s3server import FaultProxy, Relay, free_port, in_env
 from tests.test_dcp import dcp_save_worker, load_both_doors_worker, native_save_worker
 
 
@@ -296,6 +296,44 @@ def test_a_frozen_server_fails_every_rank_within_the_retry_budget_and_keeps_the_
         assert world.run(2, in_env, env, load_state, url, 10) == [True, True]
     finally:
         relay.close()
+
+
+# Each fault through the proxy (tests/fault_proxy.py), and the outcome it gets: retried, then the
+# save and load succeed bit-exact; or a clear error. Never wrong bytes.
+FAULTS = [
+    ("slowdown", "PUT", 3, "ok"),  # 503 SlowDown on data uploads: retried with backoff
+    ("error500", "PUT", 3, "ok"),
+    ("slowdown", "GET", 3, "ok"),  # ... on ranged reads
+    ("error500", "GET", 3, "ok"),
+    ("short", "GET", 2, "ok"),  # half a body, then the connection closed: the rest is fetched again
+    # A Content-Length 100 bytes past the body: the client's body retry asks for what it still
+    # lacks, gets no partial answer, and the load fails.
+    ("long-length", "GET", 2, "StorageError"),
+    ("other-range", "GET", 1, "StorageError"),  # another range's bytes: refused by its Content-Range
+]
+
+
+@pytest.mark.parametrize(("fault", "method", "count", "outcome"), FAULTS)
+def test_each_server_fault_is_retried_or_fails_clearly_never_with_wrong_bytes(s3, bucket, monkeypatch, fault, method,
+                                                                              count, outcome):
+    proxy = FaultProxy(s3.port, fault, method, count)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "20")
+    url = f"s3://{bucket}/faults"
+    sd = _state(4, 3_000_000)  # 12 MB: a multipart upload, several ranged GETs
+    t0 = time.monotonic()
+    try:
+        olmo_chunks.save(sd, url)
+        back = {"w": torch.zeros(3_000_000), "b": torch.zeros(3, 7), "step": 0}
+        olmo_chunks.load(back, url)
+        got = "ok" if torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) else "WRONG BYTES"
+    except OlmoChunksError as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    finally:
+        injected = proxy.close()
+    print(f"\n{fault} on {method}: {injected} injected, {got[:200]} in {time.monotonic() - t0:.1f} s")
+    assert injected == count
+    assert got.split(":")[0] == outcome, got
 
 
 def test_racing_saves_commit_one_checkpoint_and_the_loser_gets_a_clear_error(s3, bucket):
