@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import olmo_chunks
 import pytest
@@ -235,31 +236,32 @@ def load_state(url: str, seed: int) -> bool:
     return torch.equal(back["w"], want["w"]) and back["step"] == seed
 
 
+def _relayed(s3: Any, port: int, env: dict[str, str], fn: Any, *args: Any, timeout: float = 60,
+             **relay: Any) -> tuple[list[Any], int | None]:
+    """`fn(*args)` on 2 ranks whose client goes through a `Relay(port, ...)` made with `relay`;
+    returns their results and, if the relay was to die, its exit code."""
+    r = Relay(port, s3.port, **relay)
+    try:
+        results = world.run(2, in_env, env, fn, *args, timeout=timeout)
+        return results, r.wait_dead(10) if relay.get("die_after") else None
+    finally:
+        r.close()
+
+
 def test_a_server_killed_mid_save_fails_every_rank_and_keeps_the_previous_checkpoint(s3, bucket):
     url = f"s3://{bucket}/k"
     port = free_port()
     env = s3.env(port, OLMO_CHUNKS_RETRY_TIMEOUT="2")
-    relay = Relay(port, s3.port)
-    try:
-        assert world.run(2, in_env, env, save_and_report, url, 10) == ["ok", "ok"]
-    finally:
-        relay.close()
-    relay = Relay(port, s3.port, die_after=2_000_000)  # dies inside the 8 MB of data uploads
-    try:
-        results = world.run(2, in_env, env, save_and_report, url, 20, timeout=60)
-        assert relay.wait_dead(10) == 17
-    finally:
-        relay.close()
+    assert _relayed(s3, port, env, save_and_report, url, 10)[0] == ["ok", "ok"]
+    # The relay dies inside the 8 MB of data uploads.
+    results, code = _relayed(s3, port, env, save_and_report, url, 20, die_after=2_000_000)
+    assert code == 17
     assert all(r != "ok" for r in results), results  # every rank raised an olmo-chunks error
     assert any(r.startswith("StorageError") for r in results), results
-    relay = Relay(port, s3.port)  # the server is back
-    try:
-        assert world.run(2, in_env, env, load_state, url, 10) == [True, True]
-        # The dead save's lease lapses after its timeout (3 s); the next save takes over and cleans up.
-        time.sleep(3.5)
-        assert world.run(2, in_env, env, save_and_report, url, 30) == ["ok", "ok"]
-    finally:
-        relay.close()
+    assert _relayed(s3, port, env, load_state, url, 10)[0] == [True, True]  # the server is back
+    # The dead save's lease lapses after its timeout (3 s); the next save takes over and cleans up.
+    time.sleep(3.5)
+    assert _relayed(s3, port, env, save_and_report, url, 30)[0] == ["ok", "ok"]
     m = _core.Manifest.open(url)
     assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"k/{f.path}" for f in m.files)
 
@@ -276,26 +278,15 @@ def test_a_frozen_server_fails_every_rank_within_the_retry_budget_and_keeps_the_
     url = f"s3://{bucket}/frozen"
     port = free_port()
     env = s3.env(port, OLMO_CHUNKS_RETRY_TIMEOUT="2")
-    relay = Relay(port, s3.port)
-    try:
-        assert world.run(2, in_env, env, save_and_report, url, 10) == ["ok", "ok"]
-    finally:
-        relay.close()
-    relay = Relay(port, s3.port, freeze_after=2_000_000)  # freezes inside the 8 MB of data uploads
-    try:
-        results = world.run(2, in_env, env, timed_save, url, 20, timeout=120)
-    finally:
-        relay.close()
+    assert _relayed(s3, port, env, save_and_report, url, 10)[0] == ["ok", "ok"]
+    # The relay freezes inside the 8 MB of data uploads.
+    results, _ = _relayed(s3, port, env, timed_save, url, 20, timeout=120, freeze_after=2_000_000)
     print(f"\nfrozen server, budget 2 s: ranks failed after {[round(t, 1) for _, t in results]} s: "
           f"{[r.split(':')[0] for r, _ in results]}")
     assert all(r != "ok" for r, _ in results), results  # every rank raised an olmo-chunks error
     assert any(r.startswith("StorageError") for r, _ in results), results
     assert max(t for _, t in results) < 2 + 15, results  # was 62-95 s with this budget
-    relay = Relay(port, s3.port)  # the server is back: the previous checkpoint is there
-    try:
-        assert world.run(2, in_env, env, load_state, url, 10) == [True, True]
-    finally:
-        relay.close()
+    assert _relayed(s3, port, env, load_state, url, 10)[0] == [True, True]  # the previous checkpoint
 
 
 # Each fault through the proxy (tests/fault_proxy.py), and the outcome it gets: retried, then the

@@ -20,12 +20,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use olmo_chunks_core::fsops::{Journal, Op};
-use olmo_chunks_core::txn::{data_file_name, DATA_DIR, LEASE_NAME, TMP_PREFIX};
+use olmo_chunks_core::txn::{DATA_DIR, LEASE_NAME, TMP_PREFIX};
 use olmo_chunks_core::{
-    verify_all, write_chunks, Manifest, Region, SaveOptions, SaveTxn, WriteItem, MANIFEST_NAME,
+    verify_all, LocalFs, Manifest, Region, SaveOptions, SaveTxn, MANIFEST_NAME,
 };
 
-use crate::common::{assemble_manifest, tensor_chunk_data, write_save, SavedTensor, Seeded};
+use crate::common::{salted_chunk_data, write_rolled, write_save, SavedTensor, Seeded};
 
 /// Every path below a root: a directory (`None`) or a file's bytes.
 type State = BTreeMap<PathBuf, Option<Vec<u8>>>;
@@ -64,20 +64,22 @@ struct Version {
     data: Vec<Vec<u8>>,
 }
 
-/// Saves the tensors with every byte xored by `salt` into 2 data files; commits, or aborts
-/// (as a failed save does) when `commit` is false.
-fn save(dir: &Path, salt: u8, commit: bool) -> Version {
+/// Saves the tensors with every byte xored by `salt` into 2 data files written together, or
+/// (`rolled`) one file per chunk written one after another; commits, or aborts (as a failed save
+/// does) when `commit` is false.
+fn save_as(dir: &Path, salt: u8, commit: bool, rolled: bool) -> Version {
     let tensors = tensors();
-    let data: Vec<Vec<u8>> = tensor_chunk_data(&tensors)
-        .into_iter()
-        .map(|c| c.into_iter().map(|b| b ^ salt).collect())
-        .collect();
+    let data = salted_chunk_data(&tensors, salt);
     let opts = SaveOptions {
         overwrite: true,
         lease_timeout: Duration::from_secs(1),
     };
     let mut txn = SaveTxn::begin(dir, opts).unwrap();
-    let m = write_save(&txn, dir, &tensors, &data, 2, BLOCK, 2);
+    let m = if rolled {
+        write_rolled(&LocalFs::new(dir), &txn, &tensors, &data, BLOCK)
+    } else {
+        write_save(&txn, dir, &tensors, &data, 2, BLOCK, 2)
+    };
     if commit {
         txn.commit(&m).unwrap();
     } else {
@@ -89,39 +91,8 @@ fn save(dir: &Path, salt: u8, commit: bool) -> Version {
     }
 }
 
-/// [`save`], committed, with one data file per chunk written one after another, as a rank rolls
-/// its files at a byte budget (`SaveSession`: how import-dcp and import-hf write).
-fn save_rolled(dir: &Path, salt: u8) -> Version {
-    let tensors = tensors();
-    let data: Vec<Vec<u8>> = tensor_chunk_data(&tensors)
-        .into_iter()
-        .map(|c| c.into_iter().map(|b| b ^ salt).collect())
-        .collect();
-    let opts = SaveOptions {
-        overwrite: true,
-        lease_timeout: Duration::from_secs(1),
-    };
-    let mut txn = SaveTxn::begin(dir, opts).unwrap();
-    let (mut placed, mut files) = (Vec::new(), Vec::new());
-    for (part, d) in data.iter().enumerate() {
-        let rel = data_file_name(txn.save_id(), 0, part);
-        let (w, f) =
-            write_chunks(dir, &[rel], &[WriteItem { file: 0, data: d }], BLOCK, 2).unwrap();
-        placed.push((
-            files.len() as u32,
-            w[0].offset,
-            w[0].len,
-            w[0].checksums.clone(),
-        ));
-        files.extend(f);
-    }
-    let mut m = assemble_manifest(&tensors, placed, files, BLOCK);
-    m.save_id = txn.save_id().to_string();
-    txn.commit(&m).unwrap();
-    Version {
-        save_id: m.save_id,
-        data,
-    }
+fn save(dir: &Path, salt: u8, commit: bool) -> Version {
+    save_as(dir, salt, commit, false)
 }
 
 fn snapshot(root: &Path) -> State {
@@ -544,6 +515,6 @@ fn save_in_rolled_data_files() {
     scenario(
         "data files rolled one after another (import-dcp, import-hf)",
         |d| vec![save(d, 1, true)],
-        |d| Some(save_rolled(d, 2)),
+        |d| Some(save_as(d, 2, true, true)),
     );
 }

@@ -16,11 +16,11 @@ use olmo_chunks_core::object::ObjectStorage;
 use olmo_chunks_core::storage::HeadCheck;
 use olmo_chunks_core::txn::{data_file_name, LEASE_NAME};
 use olmo_chunks_core::{
-    verify_from, write_chunks_to, Entry, FileEntry, Head, IoCounters, Manifest, Object, PutIf,
-    Result, SaveOptions, SaveTxn, Storage, Version, WriteItem, MANIFEST_NAME,
+    verify_from, Entry, Head, IoCounters, Manifest, Object, PutIf, Result, SaveOptions, SaveTxn,
+    Storage, Version, MANIFEST_NAME,
 };
 
-use crate::common::{assemble_manifest, tensor_chunk_data, SavedTensor};
+use crate::common::{salted_chunk_data, write_rolled, SavedTensor};
 
 const FOREIGN: &str = "model.pt";
 const BLOCK: u64 = 16;
@@ -177,31 +177,13 @@ struct Saved {
 /// or aborts.
 fn save(s: Arc<dyn Storage>, salt: u8, commit: bool, lease_timeout: Duration) -> Saved {
     let tensors = tensors();
-    let data: Vec<Vec<u8>> = tensor_chunk_data(&tensors)
-        .into_iter()
-        .map(|c| c.into_iter().map(|b| b ^ salt).collect())
-        .collect();
+    let data = salted_chunk_data(&tensors, salt);
     let opts = SaveOptions {
         overwrite: true,
         lease_timeout,
     };
     let mut txn = SaveTxn::begin_on(s.clone(), opts).unwrap();
-    let mut placed = Vec::new();
-    let mut files: Vec<FileEntry> = Vec::new();
-    for (part, d) in data.iter().enumerate() {
-        let rel = data_file_name(txn.save_id(), 0, part);
-        let (w, f) =
-            write_chunks_to(&*s, &[rel], &[WriteItem { file: 0, data: d }], BLOCK, 2).unwrap();
-        placed.push((
-            files.len() as u32,
-            w[0].offset,
-            w[0].len,
-            w[0].checksums.clone(),
-        ));
-        files.extend(f);
-    }
-    let mut m = assemble_manifest(&tensors, placed, files, BLOCK);
-    m.save_id = txn.save_id().to_string();
+    let m = write_rolled(&*s, &txn, &tensors, &data, BLOCK);
     if commit {
         txn.commit(&m).unwrap();
     } else {

@@ -575,6 +575,43 @@ pub fn write_save(
     m
 }
 
+/// [`tensor_chunk_data`] with every byte xored by `salt` (a save told apart from another).
+pub fn salted_chunk_data(tensors: &[SavedTensor], salt: u8) -> Vec<Vec<u8>> {
+    tensor_chunk_data(tensors)
+        .into_iter()
+        .map(|c| c.into_iter().map(|b| b ^ salt).collect())
+        .collect()
+}
+
+/// Writes chunk `i` of `tensors` (`data[i]`) into `storage` under `txn`, one data file per chunk
+/// written one after another, as a rank rolls its files at a byte budget (`SaveSession`: how
+/// import-dcp and import-hf write); returns the manifest to commit.
+pub fn write_rolled(
+    storage: &dyn olmo_chunks_core::Storage,
+    txn: &SaveTxn,
+    tensors: &[SavedTensor],
+    data: &[Vec<u8>],
+    block_size: u64,
+) -> Manifest {
+    let (mut placed, mut files) = (Vec::new(), Vec::new());
+    for (part, d) in data.iter().enumerate() {
+        let rel = olmo_chunks_core::txn::data_file_name(txn.save_id(), 0, part);
+        let item = WriteItem { file: 0, data: d };
+        let (w, f) =
+            olmo_chunks_core::write_chunks_to(storage, &[rel], &[item], block_size, 2).unwrap();
+        placed.push((
+            files.len() as u32,
+            w[0].offset,
+            w[0].len,
+            w[0].checksums.clone(),
+        ));
+        files.extend(f);
+    }
+    let mut m = assemble_manifest(tensors, placed, files, block_size);
+    m.save_id = txn.save_id().to_string();
+    m
+}
+
 /// Saves `tensors` with their canonical chunk bytes; returns those bytes in chunk order.
 pub fn save(
     dir: &Path,
