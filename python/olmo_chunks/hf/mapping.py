@@ -67,7 +67,7 @@ def _natural(s: str) -> list[Any]:
 class _Rule:
     native: str
     hf: str
-    ops: list[Op]
+    ops: list[Op | Unflatten]
     native_re: re.Pattern[str]
     hf_re: re.Pattern[str]
     take_vars: list[str]
@@ -305,7 +305,7 @@ def _expand(
     rule: _Rule, vars: dict[str, int], shape0: tuple[int, ...], vocab: int | None, where: str
 ) -> list[tuple[dict[str, int], list[Op], list[tuple[int, ...]]]]:
     """Every concrete instance of `rule` (one per value of its take variables)."""
-    ops = [o for o in rule.ops if not isinstance(o, Unflatten)]
+    ops = [o for o in rule.ops if isinstance(o, Op)]
     out = []
 
     def rec(i: int, vs: dict[str, int], done: list[Op], shapes: list[tuple[int, ...]]) -> None:
@@ -565,7 +565,7 @@ def plan_import(  # noqa: PLR0915
                 layers.add(vars["layer"])
             s = tuple(hf_shapes[name])
             try:
-                for op in reversed([o for o in rule.ops if not isinstance(o, Unflatten)]):
+                for op in reversed([o for o in rule.ops if isinstance(o, Op)]):
                     if isinstance(op, TrimVocab):
                         if vocab is not None and vocab != s[op.dim]:
                             problems.append(f"{name}: vocab size {s[op.dim]}, another tensor has {vocab}")

@@ -7,6 +7,7 @@ spelled for convenience (`transpose`); `bind` turns them into the concrete ops a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,43 +37,43 @@ def _dim(arg: Any, key: str, where: str) -> int:
     return d
 
 
-class Op:
+class Op(ABC):
     """One layout op, native -> HF. Subclasses are frozen dataclasses."""
 
     KEY: ClassVar[str]
 
     @classmethod
-    def parse(cls, arg: Any, where: str) -> Op:
-        raise NotImplementedError
+    @abstractmethod
+    def parse(cls, arg: Any, where: str) -> Op: ...
 
-    def describe(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def describe(self) -> dict[str, Any]: ...
 
     def bind(self, vars: Mapping[str, int], ndim: int) -> Op:
         """The concrete op for the values `vars` of the spec's variables, on a tensor of `ndim`."""
         del vars, ndim
         return self
 
+    @abstractmethod
     def forward(self, shape: tuple[int, ...], vocab: int | None, where: str) -> tuple[int, ...]:
         """The shape of the output for an input of `shape` (the saved true vocab size `vocab`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def inverse(self, shape: tuple[int, ...], counts: Mapping[str, int], pad_multiple: int,
                 where: str) -> tuple[int, ...]:
         """The input shape for an output of `shape` (`counts`: values of the take variables; vocab
         dims padded to `pad_multiple`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def read(self, read_input: ReadInput, off: list[int], size: list[int],
              in_shape: Sequence[int]) -> torch.Tensor:
         """Box `off`/`size` of the output, from boxes of the input."""
-        raise NotImplementedError
 
+    @abstractmethod
     def scatter(self, scatter_input: ScatterInput, off: list[int], size: list[int], x: torch.Tensor | None,
                 in_shape: Sequence[int]) -> list[Any]:
         """Where box `off`/`size` of the output (holding `x`, or None for boxes only) lands in the
         input."""
-        raise NotImplementedError
 
     def _check_dim(self, dim: int, shape: tuple[int, ...], where: str) -> None:
         if not 0 <= dim < len(shape):
@@ -271,11 +272,21 @@ class Transpose(Op):
         perm[self.a], perm[self.b] = perm[self.b], perm[self.a]
         return Permute(tuple(perm))
 
+    # A swap is its own inverse: every direction is the `Permute` it binds to.
+    def forward(self, shape: tuple[int, ...], vocab: int | None, where: str) -> tuple[int, ...]:
+        return self.bind({}, len(shape)).forward(shape, vocab, where)
+
     def inverse(self, shape: tuple[int, ...], counts: Mapping[str, int], pad_multiple: int,
                 where: str) -> tuple[int, ...]:
-        s = list(shape)
-        s[self.a], s[self.b] = s[self.b], s[self.a]
-        return tuple(s)
+        return self.bind({}, len(shape)).inverse(shape, counts, pad_multiple, where)
+
+    def read(self, read_input: ReadInput, off: list[int], size: list[int],
+             in_shape: Sequence[int]) -> torch.Tensor:
+        return self.bind({}, len(off)).read(read_input, off, size, in_shape)
+
+    def scatter(self, scatter_input: ScatterInput, off: list[int], size: list[int], x: torch.Tensor | None,
+                in_shape: Sequence[int]) -> list[Any]:
+        return self.bind({}, len(off)).scatter(scatter_input, off, size, x, in_shape)
 
 
 @dataclass(frozen=True)
@@ -315,9 +326,9 @@ class TrimVocab(Op):
 
 
 @dataclass(frozen=True)
-class Unflatten(Op):
-    """A dim viewed as several (first op only): the saved tensor read with a logical shape.
-    Sizes are ints, one -1, or names of the spec's `dims`."""
+class Unflatten:
+    """A dim viewed as several (first op only): not a box map like the [`Op`]s, but the logical
+    shape the saved tensor is read with. Sizes are ints, one -1, or names of the spec's `dims`."""
 
     KEY: ClassVar[str] = "unflatten"
     dim: int
@@ -359,10 +370,12 @@ class Unflatten(Op):
         return (*logical[:d], numel(logical[d : d + k]), *logical[d + k :])
 
 
-_OPS: dict[str, type[Op]] = {c.KEY: c for c in (Take, Blocks, Permute, Transpose, TrimVocab, Unflatten)}
+_OPS: dict[str, type[Op] | type[Unflatten]] = {
+    c.KEY: c for c in (Take, Blocks, Permute, Transpose, TrimVocab, Unflatten)
+}
 
 
-def parse_op(raw: Any, where: str) -> Op:
+def parse_op(raw: Any, where: str) -> Op | Unflatten:
     """One op of a spec rule: a JSON object with one key naming the op."""
     if not isinstance(raw, dict) or len(raw) != 1:
         raise _bad(where, "must be an object with one key")

@@ -534,25 +534,22 @@ impl Storage for LocalFs {
     ) -> Result<Option<Version>> {
         let path = self.name(rel);
         let tmp = beside(&path, ".", &format!(".tmp-{}", crate::txn::new_save_id()?));
-        let staged = fsops::write_new(&tmp, bytes)
-            .map_err(|e| CoreError::io(&tmp, e))
-            .and_then(|()| ready())
-            .and_then(|()| {
-                let now = self.stat(&path)?.map(|h| h.version);
-                Ok(match cond {
-                    PutIf::Absent => now.is_none(),
-                    PutIf::Version(want) => now.as_ref() == Some(want),
-                })
-            })
-            .and_then(|holds| {
-                if holds {
-                    fsops::rename(&tmp, &path).map_err(|e| CoreError::io(&path, e))?;
-                }
-                Ok(holds)
-            });
-        if !matches!(staged, Ok(true)) {
+        let renamed = (|| {
+            fsops::write_new(&tmp, bytes).map_err(|e| CoreError::io(&tmp, e))?;
+            ready()?;
+            let now = self.stat(&path)?.map(|h| h.version);
+            let holds = match cond {
+                PutIf::Absent => now.is_none(),
+                PutIf::Version(want) => now.as_ref() == Some(want),
+            };
+            if holds {
+                fsops::rename(&tmp, &path).map_err(|e| CoreError::io(&path, e))?;
+            }
+            Ok(holds)
+        })();
+        if !matches!(renamed, Ok(true)) {
             let _ = fsops::remove_file(&tmp);
-            return staged.map(|_| None);
+            return renamed.map(|_| None);
         }
         sync_dir(path.parent().unwrap_or(&self.root))?;
         Ok(self.stat(&path)?.map(|h| h.version))
