@@ -98,7 +98,9 @@ class _Now:
 
 def _describe(rank: int) -> tuple[dict, dict, bool, dict]:
     """A rank's message of a save's plan step: a few tensors' regions (about 300 bytes)."""
-    tensors = {f"layers.{i}.w": ("float32", [4096, 4096], "main", [("box", [rank * 16, 0], [16, 4096])])
+    from olmo_chunks import _core
+
+    tensors = {f"layers.{i}.w": ("float32", [4096, 4096], "main", [_core.Box([rank * 16, 0], [16, 4096])])
                for i in range(3)}
     return tensors, {}, False, {"path": "/ckpt", "overwrite": True, "block_size": 1 << 20, "compression": None}
 

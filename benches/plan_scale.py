@@ -97,7 +97,7 @@ def build(path: str, ranks: int, tensors: list[tuple[str, tuple[int, int]]], row
                 fsize[r] = off + nbytes
                 placed.append((key, list(o), list(s), r, off, nbytes))
     chunks = [
-        _core.WrittenChunk(key, "box", o, s, f"data/{txn.save_id}/rank-{r:05d}.bin", fsize[r], off, nbytes,
+        _core.WrittenChunk(key, _core.Box(o, s), f"data/{txn.save_id}/rank-{r:05d}.bin", fsize[r], off, nbytes,
                            [0] * -(-nbytes // block))
         for key, o, s, r, off, nbytes in placed
     ]
@@ -137,7 +137,7 @@ def plan_costs(m: Any, md: Any, tensors: list[tuple[str, tuple[int, int]]], load
     for key, _ in tensors:
         for o, s in mine[key]:
             if 0 not in s:
-                targets.append((index[key], [(list(o), list(s), 0, [s[1], 1])]))
+                targets.append(_core.Target(index[key], [_core.Piece(list(o), list(s), 0, [s[1], 1])]))
     t_plan, runs = best(lambda: m.plan_runs(targets), reps)
     out: dict[str, Any] = {"load_grid": f"{rows}x{cols}", "rank": rank,
                            "native": {"plan_s": t_plan, "items": len(runs)}}

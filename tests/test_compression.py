@@ -91,8 +91,8 @@ def _core_fill(path: Path, rows: slice, cols: slice) -> torch.Tensor:
     """A box of the saved tensor through the core's loader."""
     m = _core.Manifest.open(str(path))
     out = torch.empty(rows.stop - rows.start, cols.stop - cols.start)
-    piece = ([rows.start, cols.start], list(out.shape), 0, list(out.stride()))
-    m.load([(0, [piece], 0)], [(out.data_ptr(), out.numel() * 4)])
+    piece = _core.Piece([rows.start, cols.start], list(out.shape), 0, list(out.stride()))
+    m.load([_core.Target(0, [piece])], [(out.data_ptr(), out.numel() * 4)])
     return out
 
 

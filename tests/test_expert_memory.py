@@ -27,7 +27,7 @@ def _save_and_record_writer_pointers(path, sharded):
     original = _core.write_chunks
 
     def recording(dir, rel_path, items, *args, **kwargs):
-        handed.extend((ptr, nbytes) for *_, ptr, nbytes in items)
+        handed.extend((item.address, item.nbytes) for item in items)
         return original(dir, rel_path, items, *args, **kwargs)
 
     _core.write_chunks = recording

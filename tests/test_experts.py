@@ -136,7 +136,7 @@ def test_view_aliases_storage_and_describes_one_flat_range():
     assert shard.local.data_ptr() == storage.data_ptr() + 4 * storage.element_size()
     assert shard.local.numel() == 6 and shard.local.untyped_storage().data_ptr() == storage.data_ptr()
     (region, data), = shard.regions()
-    assert region == ("flat", [18], [6])
+    assert region == oc._core.Flat(18, 6)
     assert data.data_ptr() == storage.data_ptr() + 4 * storage.element_size()
     assert view.local.data_ptr() == data.data_ptr()
 
@@ -225,7 +225,7 @@ def test_saved_shape_and_roles(tmp_path):
     }
     # Two EP-MP blocks, each in two EP-DP shards.
     m = oc._core.Manifest.open(path)
-    assert [c.kind for c in m.chunks(0)] == ["flat"] * 4
+    assert [type(c.region) for c in m.chunks(0)] == [oc._core.Flat] * 4
 
 
 def _load_other_model(path, num_experts, role):

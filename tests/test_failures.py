@@ -524,8 +524,9 @@ def test_coordination_messages_are_data_not_code():
 
     from olmo_chunks import _dist
 
-    chunk = _core.WrittenChunk("w", "box", [0], [4], "data/x/rank-00000.bin", 64, 0, 16, [1])
-    got = _dist._loads(pickle.dumps(("ok", [chunk, {"k": (1, 2.5, "s", b"b", None)}])))
-    assert got[1][0].key == "w" and got[1][1] == {"k": (1, 2.5, "s", b"b", None)}
+    chunk = _core.WrittenChunk("w", _core.Box([0], [4]), "data/x/rank-00000.bin", 64, 0, 16, [1])
+    got = _dist._loads(pickle.dumps(("ok", [chunk, {"k": (1, 2.5, "s", b"b", None)}, _core.Flat(3, 4)])))
+    assert got[1][0].key == "w" and got[1][0].region == _core.Box([0], [4])
+    assert got[1][1] == {"k": (1, 2.5, "s", b"b", None)} and got[1][2] == _core.Flat(3, 4)
     with pytest.raises(olmo_chunks.OlmoChunksError, match=r"names posix\.system; refused"):
         _dist._loads(pickle.dumps(os.system))

@@ -141,7 +141,7 @@ def test_reshaped_native_reads_through_core(tmp_path):
     m = _core.Manifest.open(str(tmp_path / "c"))
     src = NativeSource("r", "model.blocks.0.feed_forward_moe.router.weight", 0, torch.float32, (30,), (6, 5))
     buf = torch.empty(3, 2)
-    m.load([(0, src.pieces([2, 1], [3, 2]), 0)], [(buf.data_ptr(), buf.numel() * 4)])
+    m.load([_core.Target(0, src.pieces([2, 1], [3, 2]))], [(buf.data_ptr(), buf.numel() * 4)])
     assert torch.equal(buf, w.reshape(6, 5)[2:5, 1:3])
 
 

@@ -356,7 +356,7 @@ def test_racing_saves_commit_one_checkpoint_and_the_loser_gets_a_clear_error(s3,
 def _commit(txn: _core.SaveTransaction, url: str, value: float) -> _core.Manifest:
     t = torch.full((10,), value)
     written = _core.write_chunks(url, f"data/{txn.save_id}/rank-00000.bin",
-                                 [("w", "flat", [0], [10], t.data_ptr(), 40)], 4096)
+                                 [_core.WriteItem("w", _core.Flat(0, 10), t.data_ptr(), 40)], 4096)
     return txn.commit(4096, [_core.TensorSchema("w", "float32", [10], "main_weight")], written, "{}", "{}")
 
 

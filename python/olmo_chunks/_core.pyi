@@ -7,15 +7,23 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "Box",
     "ChunkInfo",
     "FileInfo",
+    "Flat",
     "Heartbeat",
     "Manifest",
+    "Overlap",
+    "Piece",
     "ReadOnce",
+    "RoundBytes",
+    "Run",
     "SaveTransaction",
     "StoreClient",
+    "Target",
     "TensorInfo",
     "TensorSchema",
+    "WriteItem",
     "WrittenChunk",
     "assign_writers",
     "box_overlaps",
@@ -36,9 +44,116 @@ FORMAT_VERSION: int
 MANIFEST_NAME: str
 DEFAULT_BLOCK_SIZE: int
 
-# (offsets, sizes, local_start, strides): a box of the global tensor and its affine map to local
-# element offsets.
-_Piece = tuple[list[int], list[int], int, list[int]]
+@final
+class Box:
+    """`sizes[i]` elements from `offsets[i]` in each dimension of a tensor, stored row-major in the
+    box's own shape."""
+
+    def __new__(cls, offsets: list[int], sizes: list[int]) -> Self: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def sizes(self) -> list[int]: ...
+
+@final
+class Flat:
+    """Elements `start .. start + len` of a tensor's row-major order, stored in that order."""
+
+    def __new__(cls, start: int, len: int) -> Self: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def len(self) -> int: ...
+
+@final
+class Piece:
+    """A box of a global tensor and its affine map to element offsets of a local buffer: global
+    element `offsets + i` lies at `local_start + sum(i[d] * strides[d])`."""
+
+    def __new__(cls, offsets: list[int], sizes: list[int], local_start: int, strides: list[int]) -> Self: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def sizes(self) -> list[int]: ...
+    @property
+    def local_start(self) -> int: ...
+    @property
+    def strides(self) -> list[int]: ...
+    def shifted(self, by: int) -> Piece: ...
+
+@final
+class Target:
+    """What a load fills: the elements of manifest tensor `tensor` that `pieces` name, in buffer
+    `buffer` (an index into the buffers of the call)."""
+
+    def __new__(cls, tensor: int, pieces: list[Piece], buffer: int = 0) -> Self: ...
+    @property
+    def tensor(self) -> int: ...
+    @property
+    def pieces(self) -> list[Piece]: ...
+    @property
+    def buffer(self) -> int: ...
+
+@final
+class Run:
+    """`len` elements copied from element `src` of chunk `chunk` (its index among its tensor's
+    chunks) to element `dst` of target `target`."""
+
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def src(self) -> int: ...
+    @property
+    def target(self) -> int: ...
+    @property
+    def dst(self) -> int: ...
+    @property
+    def len(self) -> int: ...
+
+@final
+class Overlap:
+    """The non-empty intersection (`offsets`, `sizes`) of saved box `saved` (at `saved_offsets`)
+    and wanted box `wanted`."""
+
+    @property
+    def saved(self) -> int: ...
+    @property
+    def wanted(self) -> int: ...
+    @property
+    def saved_offsets(self) -> list[int]: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def sizes(self) -> list[int]: ...
+
+@final
+class RoundBytes:
+    """The bytes of one read-once round: read from storage, and sent to and received from each
+    peer."""
+
+    @property
+    def read(self) -> int: ...
+    @property
+    def sends(self) -> dict[int, int]: ...
+    @property
+    def recvs(self) -> dict[int, int]: ...
+    @property
+    def total(self) -> int: ...
+
+@final
+class WriteItem:
+    """A chunk to write: region `region` of tensor `key`, its `nbytes` bytes at `address` of live,
+    contiguous CPU memory."""
+
+    def __new__(cls, key: str, region: Box | Flat, address: int, nbytes: int) -> Self: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def region(self) -> Box | Flat: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
 
 @final
 class FileInfo:
@@ -75,20 +190,15 @@ class TensorInfo:
 
 @final
 class ChunkInfo:
-    """A saved chunk: its region (kind "box" with offsets/sizes, or "flat" with [start]/[len]) and
-    `nbytes` bytes at `offset` of data file `file` (an index into `Manifest.files`), stored in
-    `stored_nbytes` bytes encoded by `codec` ("raw" or "zstd")."""
+    """A saved chunk: its region and `nbytes` bytes at `offset` of data file `file` (an index into
+    `Manifest.files`), stored in `stored_nbytes` bytes encoded by `codec` ("raw" or "zstd")."""
 
     def __new__(
-        cls, kind: str, offsets: list[int], sizes: list[int], file: int, offset: int, nbytes: int,
-        codec: str = ..., stored_nbytes: int | None = None,
+        cls, region: Box | Flat, file: int, offset: int, nbytes: int, codec: str = ...,
+        stored_nbytes: int | None = None,
     ) -> Self: ...
     @property
-    def kind(self) -> str: ...
-    @property
-    def offsets(self) -> list[int]: ...
-    @property
-    def sizes(self) -> list[int]: ...
+    def region(self) -> Box | Flat: ...
     @property
     def file(self) -> int: ...
     @property
@@ -125,16 +235,14 @@ class Manifest:
     @property
     def info_json(self) -> str: ...
     def chunks(self, t: int) -> list[ChunkInfo]: ...
-    def saved_boxes(self, t: int) -> list[tuple[list[int], list[int]]]: ...
-    def overlaps(
-        self, items: list[tuple[int, list[tuple[list[int], list[int]]]]]
-    ) -> list[list[tuple[int, int, list[int], list[int], list[int]]]]: ...
+    def saved_boxes(self, t: int) -> list[Box]: ...
+    def overlaps(self, tensors: list[int], wanted: list[list[Box]]) -> list[list[Overlap]]: ...
     def check_coverage(self) -> None: ...
     def verify_data(self, workers: int | None = None, progress: Callable[[int], object] | None = None) -> int: ...
-    def plan_runs(self, targets: list[tuple[int, list[_Piece]]]) -> list[tuple[int, int, int, int, int]]: ...
+    def plan_runs(self, targets: list[Target]) -> list[Run]: ...
     def load(
         self,
-        targets: list[tuple[int, list[_Piece], int]],
+        targets: list[Target],
         buffers: list[tuple[int, int]],
         verify: bool = True,
         workers: int | None = None,
@@ -142,16 +250,14 @@ class Manifest:
 
 @final
 class ReadOnce:
-    def __new__(
-        cls, manifest: Manifest, targets: list[tuple[int, list[_Piece], int]], buffer_lens: list[int]
-    ) -> Self: ...
+    def __new__(cls, manifest: Manifest, targets: list[Target], buffer_lens: list[int]) -> Self: ...
     @property
     def total(self) -> int: ...
     @property
     def rounds(self) -> int: ...
     def needs(self) -> bytes: ...
     def start(self, plan: bytes) -> None: ...
-    def round_sizes(self, k: int) -> tuple[int, list[tuple[int, int]], list[tuple[int, int]]]: ...
+    def round_bytes(self, k: int) -> RoundBytes: ...
     def buffer_rounds(self) -> list[tuple[int, int] | None]: ...
     def read(
         self,
@@ -179,10 +285,8 @@ def open_beneath(root: str, rel: str) -> int: ...
 def set_read_pace(bytes_per_s: int) -> None: ...
 def pace_read(n: int) -> None: ...
 def box_runs(shape: list[int], offsets: list[int], sizes: list[int]) -> list[tuple[int, int, int]]: ...
-def flat_pieces(shape: list[int], start: int, len: int) -> list[_Piece]: ...
-def box_overlaps(
-    tensors: list[tuple[int, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]],
-) -> list[list[tuple[int, int, list[int], list[int]]]]: ...
+def flat_pieces(shape: list[int], start: int, len: int) -> list[Piece]: ...
+def box_overlaps(ndim: int, saved: list[Box], wanted: list[Box]) -> list[Overlap]: ...
 
 @final
 class TensorSchema:
@@ -205,9 +309,7 @@ class WrittenChunk:
     def __new__(
         cls,
         key: str,
-        kind: str,
-        offsets: list[int],
-        sizes: list[int],
+        region: Box | Flat,
         file: str,
         file_size: int,
         offset: int,
@@ -220,11 +322,7 @@ class WrittenChunk:
     @property
     def key(self) -> str: ...
     @property
-    def kind(self) -> str: ...
-    @property
-    def offsets(self) -> list[int]: ...
-    @property
-    def sizes(self) -> list[int]: ...
+    def region(self) -> Box | Flat: ...
     @property
     def file(self) -> str: ...
     @property
@@ -245,7 +343,7 @@ class WrittenChunk:
 def write_chunks(
     dir: str,
     rel_path: str,
-    items: list[tuple[str, str, list[int], list[int], int, int]],
+    items: list[WriteItem],
     block_size: int,
     workers: int | None = None,
     zstd_level: int | None = None,

@@ -61,7 +61,7 @@ def _describe(exc: BaseException) -> str:
 
 
 # Classes a coordination message may name (besides plain containers, strings and numbers).
-_MESSAGE_CLASSES = {("olmo_chunks._core", "WrittenChunk"), ("olmo_chunks._core", "TensorSchema")}
+_MESSAGE_CLASSES = {("olmo_chunks._core", name) for name in ("WrittenChunk", "TensorSchema", "Box", "Flat")}
 
 
 class _MessageUnpickler(pickle.Unpickler):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +19,7 @@ from .fill import STAGING_BYTES, Fill, check_read_mode, fill
 from .location import checkpoint_location
 from .roles import resolve_role
 from .session import SaveSession, staging_bytes, zstd_level
-from .shards import ChunkItem, TensorShard, describe, dtype_name, is_dense, torch_dtype
+from .shards import ChunkItem, TensorShard, describe, dtype_name, is_dense, region_numel, torch_dtype
 from .tree import TRAINER_PREFIX, TRAINER_RNG_PREFIX, Leaf, flatten
 
 __all__ = ["LoadReport", "load", "open_manifest", "save"]
@@ -111,9 +110,9 @@ def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any]]]
             if seen != (dtype, shape, role):
                 problems.append(f"{key}: rank {rank} has {(dtype, shape, role)}, another rank {seen}")
             item = torch_dtype(dtype).itemsize
-            for kind, a, b in regions:
-                chunk = ids.setdefault((key, (kind, tuple(a), tuple(b))), len(ids))
-                held[rank].append((chunk, item * (b[0] if kind == "flat" else math.prod(b))))
+            for region in regions:
+                chunk = ids.setdefault((key, region), len(ids))
+                held[rank].append((chunk, item * region_numel(region)))
         for key, v in plain.items():
             entries.setdefault(key, v)
     for key in entries.keys() & schema.keys():

@@ -37,19 +37,16 @@ READ_MODES = ("once", "direct")
 # Host memory used at a time to stage destinations the core cannot fill in place.
 STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
 
-Pieces = list[tuple[list[int], list[int], int, list[int]]]
-
-
 @dataclass
 class Fill:
     """One destination: `dest` receives the elements of manifest tensor `tensor` that `pieces(buf)`
-    names, as core target pieces `(offsets, sizes, local_start, strides)` over a buffer `buf` shaped
-    like `dest` (element offsets from `buf`'s first element, `buf`'s strides)."""
+    names, as core target pieces over a buffer `buf` shaped like `dest` (element offsets from
+    `buf`'s first element, `buf`'s strides)."""
 
     key: str
     tensor: int
     dest: torch.Tensor
-    pieces: Callable[[torch.Tensor], Pieces]
+    pieces: Callable[[torch.Tensor], list[_core.Piece]]
     saved_dtype: torch.dtype
 
 
@@ -162,10 +159,10 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _storages(fills: list[Fill]) -> tuple[list[tuple[int, int]], Callable[[], list[tuple[int, Pieces, int]]]]:
+def _storages(fills: list[Fill]) -> tuple[list[tuple[int, int]], Callable[[], list[_core.Target]]]:
     """The distinct storages of `fills` as core buffers `(address, nbytes)`, and a function making
-    the fills' core targets `(tensor, pieces, buffer)`: each destination addressed inside its
-    storage, so destinations interleaved in one storage are one buffer."""
+    the fills' core targets: each destination addressed inside its storage, so destinations
+    interleaved in one storage are one buffer."""
     buffers: list[tuple[int, int]] = []
     index: dict[int, int] = {}
     for f in fills:
@@ -174,14 +171,14 @@ def _storages(fills: list[Fill]) -> tuple[list[tuple[int, int]], Callable[[], li
             index[storage.data_ptr()] = len(buffers)
             buffers.append((storage.data_ptr(), storage.nbytes()))
 
-    def targets() -> list[tuple[int, Pieces, int]]:
+    def targets() -> list[_core.Target]:
         out = []
         for f in fills:
             sptr = f.dest.untyped_storage().data_ptr()
             shift = (f.dest.data_ptr() - sptr) // f.dest.element_size()
-            pieces = [(o, s, start + shift, st) for o, s, start, st in f.pieces(f.dest)]
+            pieces = [p.shifted(shift) for p in f.pieces(f.dest)]
             if pieces:
-                out.append((f.tensor, pieces, index[sptr]))
+                out.append(_core.Target(f.tensor, pieces, index[sptr]))
         return out
 
     return buffers, targets
@@ -196,9 +193,9 @@ def _load_direct(manifest: _core.Manifest, fills: list[Fill], verify: bool, work
 def _load_staged(manifest: _core.Manifest, fills: list[Fill], verify: bool, workers: int | None) -> list[torch.Tensor]:
     """Reads `fills` into fresh CPU buffers of the saved dtype (pinned for CUDA destinations)."""
     stages = [torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=f.dest.is_cuda) for f in fills]
-    targets = [(f.tensor, f.pieces(stage), i) for i, (f, stage) in enumerate(zip(fills, stages, strict=True))]
+    targets = [_core.Target(f.tensor, f.pieces(s), i) for i, (f, s) in enumerate(zip(fills, stages, strict=True))]
     buffers = [(s.data_ptr(), s.numel() * s.element_size()) for s in stages]
-    manifest.load([t for t in targets if t[1]], buffers, verify=verify, workers=workers)
+    manifest.load([t for t in targets if t.pieces], buffers, verify=verify, workers=workers)
     return stages
 
 
@@ -271,7 +268,7 @@ class _CooperativeLoad:
         for i, f in self.fill_of.items():
             pieces = f.pieces(torch.empty(f.dest.shape, dtype=f.saved_dtype, device="meta"))
             if pieces:
-                targets.append((f.tensor, pieces, i))
+                targets.append(_core.Target(f.tensor, pieces, i))
         self.ro = _core.ReadOnce(self.manifest, targets, self.lens)
         return self.ro.needs(), self.pin
 
@@ -294,10 +291,7 @@ class _CooperativeLoad:
             self.group.agree(functools.partial(self._read, 0))
         for k in range(ro.rounds):
             self.group.agree(functools.partial(self._step, k))
-        sizes = [ro.round_sizes(k) for k in range(ro.rounds)]
-        peak = max((r + sum(n for _, n in sends) + sum(n for _, n in recvs) for r, sends, recvs in sizes),
-                   default=0)
-        return ReadOnceStats(ro.rounds, peak)
+        return ReadOnceStats(ro.rounds, max((ro.round_bytes(k).total for k in range(ro.rounds)), default=0))
 
     def _read(self, k: int) -> None:
         """Allocates the stages round `k` starts, reads its blocks and packs what peers need."""
@@ -306,13 +300,13 @@ class _CooperativeLoad:
                 f = self.fill_of[i]
                 self.stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=self.pin)
                 self.buffers[i] = (self.stages[i].data_ptr(), self.lens[i])
-        n_read, sends, recvs = self.ro.round_sizes(k)
-        self.read_buf = torch.empty(n_read, dtype=torch.uint8, pin_memory=self.pin)
-        send = torch.empty(sum(n for _, n in sends), dtype=torch.uint8, pin_memory=self.pin)
+        sizes = self.ro.round_bytes(k)
+        self.read_buf = torch.empty(sizes.read, dtype=torch.uint8, pin_memory=self.pin)
+        send = torch.empty(sum(sizes.sends.values()), dtype=torch.uint8, pin_memory=self.pin)
         self.ro.read(k, _addr(self.read_buf), _addr(send), self.verify, self.workers)
         # Everything the exchange needs is allocated here, where a failure still reaches every
         # rank before any of them enters the collective.
-        self.exchange = _Exchange(self.group, self.device, send, sends, recvs)
+        self.exchange = _Exchange(self.group, self.device, send, sizes)
 
     def _step(self, k: int) -> None:
         """Round `k`'s exchange and copies into place, then round `k + 1`'s reads."""
@@ -348,18 +342,13 @@ def _exchange_device(group: Group, any_cuda: bool, all_cuda: bool) -> str:
 
 
 class _Exchange:
-    """One all-to-all of bytes: this rank's `send` (packed for peers in rank order, `sends` giving
-    `(peer, bytes)`) for the `(peer, bytes)` of `recvs`; on CUDA through device buffers."""
+    """One all-to-all of bytes: this rank's `send` (packed for peers in rank order, as many bytes for
+    each as `sizes.sends` says) for the bytes of `sizes.recvs`; on CUDA through device buffers."""
 
-    def __init__(self, group: Group, device: str, send: torch.Tensor, sends: list[tuple[int, int]],
-                 recvs: list[tuple[int, int]]) -> None:
+    def __init__(self, group: Group, device: str, send: torch.Tensor, sizes: _core.RoundBytes) -> None:
         self.group = group
-        self.ins = [0] * group.size
-        self.outs = [0] * group.size
-        for p, n in sends:
-            self.ins[p] = n
-        for p, n in recvs:
-            self.outs[p] = n
+        self.ins = [sizes.sends.get(p, 0) for p in range(group.size)]
+        self.outs = [sizes.recvs.get(p, 0) for p in range(group.size)]
         self.send = send if device == "cpu" else send.to(device, non_blocking=True)
         self.recv = torch.empty(sum(self.outs), dtype=torch.uint8, device=device)
         self.host = None if device == "cpu" else torch.empty(self.recv.numel(), dtype=torch.uint8, pin_memory=True)

@@ -113,8 +113,7 @@ class SaveSession:
         if not self.save_id:
             raise InvalidArgumentError("no save was begun (a data file needs the save id)")
         name = _core.data_file(self.save_id, self.rank, self.parts)
-        items = [(key, kind, list(a), list(b), t.data_ptr(), t.numel() * t.element_size())
-                 for key, (kind, a, b), t in chunks]
+        items = [_core.WriteItem(key, region, t.data_ptr(), t.numel() * t.element_size()) for key, region, t in chunks]
         out = _core.write_chunks(self.target, name, items, self.block_size, self.workers, self.zstd)
         self.parts += 1
         self.written.extend(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -13,13 +14,18 @@ from . import _core
 from .errors import InvalidArgumentError
 from .layout import Piece, dtensor_pieces
 
-__all__ = ["ChunkSource", "TensorShard", "describe", "dtype_name", "is_dense", "torch_dtype"]
+__all__ = ["ChunkItem", "ChunkSource", "Region", "TensorShard", "describe", "dtype_name", "is_dense", "region_numel",
+           "torch_dtype"]
 
 
-# A chunk's region as the core's bindings spell it: ("box", offsets, sizes) or ("flat", [start], [length]).
-RegionSpec = tuple[str, list[int], list[int]]
+# A chunk's region of its tensor.
+Region = _core.Box | _core.Flat
 # One chunk to write: its tensor's key, its region, its elements.
-ChunkItem = tuple[str, RegionSpec, torch.Tensor]
+ChunkItem = tuple[str, Region, torch.Tensor]
+
+
+def region_numel(region: Region) -> int:
+    return region.len if isinstance(region, _core.Flat) else math.prod(region.sizes)
 
 
 @dataclass
@@ -35,33 +41,31 @@ class TensorShard:
     flat: list[tuple[int, int, int]] = field(default_factory=list)
     role: str | None = None
 
-    def regions(self) -> Iterator[tuple[RegionSpec, torch.Tensor]]:
-        """`(region, data)` per held piece: region as the core spells it, data a view of `local`
-        holding the region's elements in storage order (made contiguous by the writer)."""
+    def regions(self) -> Iterator[tuple[Region, torch.Tensor]]:
+        """`(region, data)` per held piece: data a view of `local` holding the region's elements in
+        storage order (made contiguous by the writer)."""
         for p in self.pieces:
             if 0 in p.sizes:
                 continue
             view = self.local[tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))]
-            yield ("box", list(p.global_offsets), list(p.sizes)), view
+            yield _core.Box(list(p.global_offsets), list(p.sizes)), view
         flat_local = self.local.reshape(-1) if self.flat else None
         for start, length, off in self.flat:
             if length:
-                yield ("flat", [start], [length]), flat_local[off : off + length]  # type: ignore[index]
+                yield _core.Flat(start, length), flat_local[off : off + length]  # type: ignore[index]
 
-    def core_pieces(self, local: torch.Tensor) -> list[tuple[list[int], list[int], int, list[int]]]:
-        """Target pieces `(offsets, sizes, local_start, strides)` for loading into `local` (which has
-        the shape of `self.local`)."""
+    def core_pieces(self, local: torch.Tensor) -> list[_core.Piece]:
+        """Target pieces for loading into `local` (which has the shape of `self.local`)."""
         strides = list(local.stride())
         out = []
         for p in self.pieces:
             if 0 in p.sizes:
                 continue
             start = sum(o * s for o, s in zip(p.local_offsets, strides, strict=True))
-            out.append((list(p.global_offsets), list(p.sizes), start, strides))
+            out.append(_core.Piece(list(p.global_offsets), list(p.sizes), start, strides))
         for start, length, off in self.flat:
             if length:
-                for o, s, ls, st in _core.flat_pieces(list(self.shape), start, length):
-                    out.append((o, s, ls + off, st))
+                out.extend(q.shifted(off) for q in _core.flat_pieces(list(self.shape), start, length))
         return out
 
 

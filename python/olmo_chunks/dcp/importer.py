@@ -216,7 +216,7 @@ def import_dcp(  # noqa: PLR0915
                     f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
                     f"its metadata ({dtype}, {tuple(chunk.sizes)})"
                 )
-            session.add(fqn, ("box", list(chunk.offsets), list(chunk.sizes)), t, owned=True)
+            session.add(fqn, _core.Box(list(chunk.offsets), list(chunk.sizes)), t, owned=True)
 
     with session:
         session.begin(overwrite)

@@ -115,36 +115,35 @@ def read_items_for_chunk_lists(
     (`SavedChunks`) are read from its manifest, with no Python object per saved chunk."""
     from .reader import SavedChunks
 
-    hits: list[list[tuple[int, int, list[int], list[int], list[int]]]] = [[] for _ in tensors]
+    def boxes(chunks: Sequence[ChunkStorageMetadata]) -> list[_core.Box]:
+        return [_core.Box(list(c.offsets), list(c.sizes)) for c in chunks]
+
+    hits: list[list[_core.Overlap]] = [[] for _ in tensors]
     lazy: dict[int, list[int]] = {}  # manifest -> positions of its tensors
-    plain: list[int] = []
-    for i, (_, _, saved, _) in enumerate(tensors):
-        (lazy.setdefault(id(saved.manifest), []) if isinstance(saved, SavedChunks) else plain).append(i)
+    for i, (_, size, saved, local) in enumerate(tensors):
+        if isinstance(saved, SavedChunks):
+            lazy.setdefault(id(saved.manifest), []).append(i)
+        else:
+            hits[i] = _core.box_overlaps(len(size), boxes(saved), boxes(local))
     for positions in lazy.values():
-        manifest = tensors[positions[0]][2].manifest  # type: ignore[attr-defined]
-        got = manifest.overlaps([(tensors[i][2].tensor,  # type: ignore[attr-defined]
-                                  [(list(c.offsets), list(c.sizes)) for c in tensors[i][3]]) for i in positions])
+        lists = [tensors[i][2] for i in positions]
+        got = lists[0].manifest.overlaps([s.tensor for s in lists],  # type: ignore[attr-defined]
+                                         [boxes(tensors[i][3]) for i in positions])
         for i, h in zip(positions, got, strict=True):
             hits[i] = h
-    if plain:
-        got = _core.box_overlaps([(len(tensors[i][1]), [(list(c.offsets), list(c.sizes)) for c in tensors[i][2]],
-                                   [(list(c.offsets), list(c.sizes)) for c in tensors[i][3]]) for i in plain])
-        for i, h in zip(plain, got, strict=True):
-            saved = tensors[i][2]
-            hits[i] = [(s, w, list(saved[s].offsets), offs, sizes) for s, w, offs, sizes in h]
     out = []
     for (fqn, _, _, local), found in zip(tensors, hits, strict=True):
         items = []
-        for s, w, saved_offsets, offs, sizes in found:
-            lc = local[w]
+        for hit in found:
+            lc = local[hit.wanted]
             items.append(
                 ReadItem(
                     type=LoadItemType.TENSOR,
-                    dest_index=MetadataIndex(fqn, lc.offsets, w),
-                    dest_offsets=torch.Size([o - b for o, b in zip(offs, lc.offsets, strict=True)]),
-                    storage_index=MetadataIndex(fqn, torch.Size(saved_offsets), s),
-                    storage_offsets=torch.Size([o - b for o, b in zip(offs, saved_offsets, strict=True)]),
-                    lengths=torch.Size(sizes),
+                    dest_index=MetadataIndex(fqn, lc.offsets, hit.wanted),
+                    dest_offsets=torch.Size([o - b for o, b in zip(hit.offsets, lc.offsets, strict=True)]),
+                    storage_index=MetadataIndex(fqn, torch.Size(hit.saved_offsets), hit.saved),
+                    storage_offsets=torch.Size([o - b for o, b in zip(hit.offsets, hit.saved_offsets, strict=True)]),
+                    lengths=torch.Size(hit.sizes),
                 )
             )
         out.append(items)

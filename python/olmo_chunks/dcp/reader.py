@@ -233,8 +233,8 @@ class SavedChunks(Sequence[ChunkStorageMetadata]):
 
     def items(self) -> list[ChunkStorageMetadata]:
         if self._items is None:
-            self._items = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                           for o, s in self.manifest.saved_boxes(self.tensor)]
+            self._items = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+                           for b in self.manifest.saved_boxes(self.tensor)]
         return self._items
 
     def __len__(self) -> int:
@@ -256,6 +256,6 @@ class SavedChunks(Sequence[ChunkStorageMetadata]):
         return (list, (self.items(),))
 
 
-def _box_pieces(offsets: list[int], buf: torch.Tensor) -> list[tuple[list[int], list[int], int, list[int]]]:
+def _box_pieces(offsets: list[int], buf: torch.Tensor) -> list[_core.Piece]:
     """The core target piece of the box at `offsets` of `buf`'s shape, filling all of `buf`."""
-    return [(offsets, list(buf.shape), 0, list(buf.stride()))]
+    return [_core.Piece(offsets, list(buf.shape), 0, list(buf.stride()))]

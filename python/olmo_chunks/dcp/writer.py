@@ -228,7 +228,7 @@ class ChunkStoreWriter(StorageWriter):
                     f"{item.index.fqn!r}: resolved shape {tuple(tensor.shape)} "
                     f"differs from the planned chunk {tuple(sizes)}"
                 )
-            chunks.append((item.index.fqn, ("box", list(td.chunk.offsets), sizes), tensor))
+            chunks.append((item.index.fqn, _core.Box(list(td.chunk.offsets), sizes), tensor))
             chunk_items.append(item)
         written = self._new_session(rank, save_id).write(chunks)
         for item, chunk in zip(chunk_items, written, strict=True):

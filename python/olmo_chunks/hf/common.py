@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import _core
 from ..errors import ConversionError, InvalidArgumentError
 from ..location import checkpoint_location, is_url
 from .mapping import (
@@ -75,7 +76,7 @@ def native_loader(
         buf = torch.empty(size, dtype=src.dtype)
         if buf.numel():
             manifest.load(
-                [(src.index, src.pieces(off, size), 0)],
+                [_core.Target(src.index, src.pieces(off, size))],
                 [(buf.data_ptr(), buf.numel() * buf.element_size())],
                 verify=True,
                 workers=workers,

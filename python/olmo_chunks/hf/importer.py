@@ -15,7 +15,7 @@ from ..errors import ConversionError
 from ..location import checkpoint_location
 from ..roles import MAIN_WEIGHT
 from ..session import SaveSession, zstd_level
-from ..shards import dtype_name
+from ..shards import Region, dtype_name
 from .common import (
     DEFAULT_MEMORY_BUDGET,
     TensorDictSource,
@@ -41,13 +41,13 @@ __all__ = ["import_hf"]
 
 def _native_regions(
     src: NativeSource, off: list[int], size: list[int], data: torch.Tensor
-) -> list[tuple[tuple[str, list[int], list[int]], torch.Tensor]]:
+) -> list[tuple[Region, torch.Tensor]]:
     data = data.contiguous()
     if tuple(src.saved_shape) == tuple(src.shape):
-        return [(("box", off, size), data)]
+        return [(_core.Box(off, size), data)]
     flat = data.reshape(-1)
     return [
-        (("flat", [start], [length]), flat[local : local + length])
+        (_core.Flat(start, length), flat[local : local + length])
         for start, length, local in _core.box_runs(list(src.shape), list(off), list(size))
     ]
 

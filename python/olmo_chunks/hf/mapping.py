@@ -253,17 +253,14 @@ class NativeSource:
     also_saved: list[str] = field(default_factory=list)
     chunk_kinds: dict[str, int] = field(default_factory=dict)
 
-    def pieces(
-        self, off: Sequence[int], size: Sequence[int]
-    ) -> list[tuple[list[int], list[int], int, list[int]]]:
+    def pieces(self, off: Sequence[int], size: Sequence[int]) -> list[_core.Piece]:
         """Core target pieces filling a dense buffer of box `size` at `off` (logical coords)."""
         off, size = [int(x) for x in off], [int(x) for x in size]
         if tuple(self.saved_shape) == tuple(self.shape):
-            return [(off, size, 0, strides(size))]
-        out = []
+            return [_core.Piece(off, size, 0, strides(size))]
+        out: list[_core.Piece] = []
         for start, length, local in _core.box_runs(list(self.shape), list(off), list(size)):
-            for o, s, ls, st in _core.flat_pieces(list(self.saved_shape), start, length):
-                out.append((o, s, ls + local, st))
+            out.extend(p.shifted(local) for p in _core.flat_pieces(list(self.saved_shape), start, length))
         return out
 
 
@@ -375,11 +372,8 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
         if bad:
             problems.append(f"{name}: saved as {', '.join(keys)} with different element counts")
             continue
-        kinds: dict[str, int] = {}
-        for ch in manifest.chunks(i):
-            kinds[ch.kind] = kinds.get(ch.kind, 0) + 1
         sources[name] = NativeSource(
-            name, data_key, i, torch_dtype(dtype), tuple(sshape), logical, keys[1:], kinds
+            name, data_key, i, torch_dtype(dtype), tuple(sshape), logical, keys[1:], _chunk_kinds(manifest, i)
         )
     dims: dict[str, int] = {}
     for dname, d in spec.dims.items():
@@ -431,6 +425,15 @@ def plan_export(manifest: Any, spec: MappingSpec, *, roles: Sequence[str] = (MAI
     return plan
 
 
+def _chunk_kinds(manifest: _core.Manifest, i: int) -> dict[str, int]:
+    """How many of tensor `i`'s saved chunks are boxes and how many flat ranges (for reports)."""
+    kinds: dict[str, int] = {}
+    for ch in manifest.chunks(i):
+        kind = "flat" if isinstance(ch.region, _core.Flat) else "box"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def plan_identity(manifest: Any, roles: Sequence[str]) -> TensorPlan:
     """Every saved tensor of the given roles under its own name, unchanged."""
     entries: list[Planned] = []
@@ -440,10 +443,7 @@ def plan_identity(manifest: Any, roles: Sequence[str]) -> TensorPlan:
         if role not in roles:
             ignored[role] = ignored.get(role, 0) + 1
             continue
-        kinds: dict[str, int] = {}
-        for ch in manifest.chunks(i):
-            kinds[ch.kind] = kinds.get(ch.kind, 0) + 1
-        src = NativeSource(key, key, i, torch_dtype(dtype), tuple(shape), tuple(shape), [], kinds)
+        src = NativeSource(key, key, i, torch_dtype(dtype), tuple(shape), tuple(shape), [], _chunk_kinds(manifest, i))
         entries.append(Planned(key, key, [], [tuple(shape)], src, "identity"))
     return TensorPlan(entries, [], None, None, {}, ignored=ignored)
 

@@ -12,6 +12,12 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+mod records;
+use records::{
+    region_py, PyBox, PyFlat, PyOverlap, PyPiece, PyRoundBytes, PyRun, PyTarget, PyWriteItem,
+    RegionArg,
+};
+
 /// Maps a core error onto the Python exception hierarchy in `olmo_chunks.errors`.
 fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
     let msg = e.to_string();
@@ -82,28 +88,6 @@ fn as_slices<'a>(raw: &[(usize, usize)]) -> Result<Vec<&'a mut [u8]>, CoreError>
         })
         .collect())
 }
-
-fn region_from_py(kind: &str, a: Vec<u64>, b: Vec<u64>) -> Result<Region, CoreError> {
-    match (kind, a.as_slice(), b.as_slice()) {
-        ("box", _, _) => Ok(Region::Box {
-            offsets: a,
-            sizes: b,
-        }),
-        ("flat", [start], [len]) => Ok(Region::Flat {
-            start: *start,
-            len: *len,
-        }),
-        _ => Err(CoreError::InvalidArgument(format!(
-            "bad region {kind:?} {a:?} {b:?}"
-        ))),
-    }
-}
-
-type PyPiece = (Vec<u64>, Vec<u64>, u64, Vec<u64>);
-/// `(chunk_in_tensor, src_elem, target, dst_elem, len)`
-type PyRun = (usize, u64, usize, u64, u64);
-/// `(key, kind, a, b, address, nbytes)`: a chunk to write, from live memory.
-type PyWriteItem = (String, String, Vec<u64>, Vec<u64>, usize, usize);
 
 /// A decoded, validated checkpoint manifest.
 #[pyclass(name = "Manifest", module = "olmo_chunks._core", frozen)]
@@ -209,8 +193,7 @@ impl PyManifest {
     fn info_json(&self) -> String {
         self.inner.info.get().to_string()
     }
-    /// Each saved chunk of tensor `t`: kind "box" with offsets/sizes, or "flat" with
-    /// `[start]`/`[len]`, and where its bytes lie.
+    /// Each saved chunk of tensor `t`: its region and where its bytes lie.
     fn chunks(&self, py: Python<'_>, t: usize) -> PyResult<Vec<PyChunkInfo>> {
         if t >= self.inner.tensors.len() {
             return Err(to_pyerr(
@@ -222,21 +205,13 @@ impl PyManifest {
             .inner
             .tensor_chunks(t)
             .iter()
-            .map(|c| {
-                let (kind, offsets, sizes) = match &c.region {
-                    Region::Box { offsets, sizes } => ("box", offsets.clone(), sizes.clone()),
-                    Region::Flat { start, len } => ("flat", vec![*start], vec![*len]),
-                };
-                PyChunkInfo {
-                    kind: kind.to_string(),
-                    offsets,
-                    sizes,
-                    file: c.file,
-                    offset: c.offset,
-                    nbytes: c.len,
-                    codec: codec_name(c.codec).to_string(),
-                    stored_nbytes: self.inner.stored_len(c),
-                }
+            .map(|c| PyChunkInfo {
+                region: c.region.clone(),
+                file: c.file,
+                offset: c.offset,
+                nbytes: c.len,
+                codec: codec_name(c.codec).to_string(),
+                stored_nbytes: self.inner.stored_len(c),
             })
             .collect())
     }
@@ -251,23 +226,33 @@ impl PyManifest {
         }
         Ok(saved_boxes(&self.inner, t))
     }
-    /// `box_overlaps` against the saved boxes of manifest tensors (`saved_boxes`): per item
-    /// `(tensor, wanted boxes)`, `(saved_index, wanted_index, saved_offsets, offsets, sizes)` for
-    /// every non-empty overlap. No Python object per saved chunk is made.
-    #[allow(clippy::type_complexity)]
+    /// `box_overlaps` against the saved boxes of manifest tensors (`saved_boxes`): for each of
+    /// `tensors`, the overlaps with its `wanted` boxes. No Python object per saved chunk is made.
     fn overlaps(
         &self,
         py: Python<'_>,
-        items: Vec<(usize, Vec<PyBox>)>,
-    ) -> PyResult<Vec<Vec<(usize, usize, Vec<u64>, Vec<u64>, Vec<u64>)>>> {
+        tensors: Vec<usize>,
+        wanted: Vec<Vec<PyBox>>,
+    ) -> PyResult<Vec<Vec<PyOverlap>>> {
+        if tensors.len() != wanted.len() {
+            return Err(to_pyerr(
+                py,
+                CoreError::InvalidArgument(format!(
+                    "{} tensors, {} lists of wanted boxes",
+                    tensors.len(),
+                    wanted.len()
+                )),
+            ));
+        }
         let m = self.inner.clone();
         detach(py, move || {
-            items
+            tensors
                 .iter()
+                .zip(&wanted)
                 .map(|(t, wanted)| {
-                    Ok(core::load::tensor_overlaps(&m, *t, wanted)?
+                    Ok(core::load::tensor_overlaps(&m, *t, &box_pairs(wanted))?
                         .into_iter()
-                        .map(|(o, at)| (o.saved, o.wanted, at, o.offsets, o.sizes))
+                        .map(|(o, at)| PyOverlap::new(o, at))
                         .collect())
                 })
                 .collect()
@@ -322,20 +307,16 @@ impl PyManifest {
         let verified = verified.map_err(|e| to_pyerr(py, e))?;
         failed.map_or(Ok(verified), Err)
     }
-    /// Element runs `(chunk_in_tensor, src_elem, target, dst_elem, len)` filling each target.
-    /// A target is `(tensor_index, pieces)`, a piece `(offsets, sizes, local_start, strides)`.
-    fn plan_runs(
-        &self,
-        py: Python<'_>,
-        targets: Vec<(usize, Vec<PyPiece>)>,
-    ) -> PyResult<Vec<PyRun>> {
+    /// The element runs filling each target (`Run.target` indexes `targets`; their buffers are
+    /// not looked at).
+    fn plan_runs(&self, py: Python<'_>, targets: Vec<PyRef<'_, PyTarget>>) -> PyResult<Vec<PyRun>> {
         let m = self.inner.clone();
         let targets: Vec<core::Target> = targets
-            .into_iter()
+            .iter()
             .enumerate()
-            .map(|(i, (tensor, pieces))| core::Target {
-                tensor,
-                pieces: pieces.into_iter().map(piece).collect(),
+            .map(|(i, t)| core::Target {
+                tensor: t.tensor,
+                pieces: t.pieces.iter().map(Piece::from).collect(),
                 dest: i,
                 dest_len: u64::MAX,
             })
@@ -344,32 +325,29 @@ impl PyManifest {
             let runs = core::plan_runs(&m, &targets)?;
             Ok(runs
                 .into_iter()
-                .map(|r| {
-                    (
-                        r.src - m.chunk_start[targets[r.dst].tensor],
-                        r.src_elem,
-                        r.dst,
-                        r.dst_elem,
-                        r.len,
-                    )
+                .map(|r| PyRun {
+                    chunk: r.src - m.chunk_start[targets[r.dst].tensor],
+                    src: r.src_elem,
+                    target: r.dst,
+                    dst: r.dst_elem,
+                    len: r.len,
                 })
                 .collect())
         })
     }
-    /// Fills destination buffers from the checkpoint. `targets` are `(tensor_index, pieces,
-    /// buffer_index)`; `buffers` are `(address, nbytes)` of live CPU memory.
+    /// Fills destination buffers (`(address, nbytes)` of live CPU memory) from the checkpoint.
     #[pyo3(signature = (targets, buffers, verify=true, workers=None))]
     fn load(
         &self,
         py: Python<'_>,
-        targets: Vec<(usize, Vec<PyPiece>, usize)>,
+        targets: Vec<PyRef<'_, PyTarget>>,
         buffers: Vec<(usize, usize)>,
         verify: bool,
         workers: Option<usize>,
     ) -> PyResult<()> {
         let (m, storage) = (self.inner.clone(), self.storage.clone());
         let lens: Vec<usize> = buffers.iter().map(|b| b.1).collect();
-        let ts = to_targets(targets, &lens).map_err(|e| to_pyerr(py, e))?;
+        let ts = to_targets(&targets, &lens).map_err(|e| to_pyerr(py, e))?;
         detach(py, move || {
             let copies = core::plan_copies(&m, &ts)?;
             core::read_from(
@@ -384,23 +362,24 @@ impl PyManifest {
     }
 }
 
-/// Core targets from `(tensor_index, pieces, buffer_index)` over buffers of `lens` bytes.
+/// Core targets over buffers of `lens` bytes.
 fn to_targets(
-    targets: Vec<(usize, Vec<PyPiece>, usize)>,
+    targets: &[PyRef<'_, PyTarget>],
     lens: &[usize],
 ) -> Result<Vec<core::Target>, CoreError> {
     targets
-        .into_iter()
-        .map(|(tensor, pieces, dest)| {
-            let Some(&dest_len) = lens.get(dest) else {
+        .iter()
+        .map(|t| {
+            let Some(&dest_len) = lens.get(t.buffer) else {
                 return Err(CoreError::InvalidArgument(format!(
-                    "buffer index {dest} out of range"
+                    "buffer index {} out of range",
+                    t.buffer
                 )));
             };
             Ok(core::Target {
-                tensor,
-                pieces: pieces.into_iter().map(piece).collect(),
-                dest,
+                tensor: t.tensor,
+                pieces: t.pieces.iter().map(Piece::from).collect(),
+                dest: t.buffer,
                 dest_len: dest_len as u64,
             })
         })
@@ -432,17 +411,16 @@ impl PyReadOnce {
 
 #[pymethods]
 impl PyReadOnce {
-    /// Plans the copies of `targets` (`(tensor_index, pieces, buffer_index)`) into buffers of
-    /// `buffer_lens` bytes, as `Manifest.load` does.
+    /// Plans the copies of `targets` into buffers of `buffer_lens` bytes, as `Manifest.load` does.
     #[new]
     fn new(
         py: Python<'_>,
         manifest: &PyManifest,
-        targets: Vec<(usize, Vec<PyPiece>, usize)>,
+        targets: Vec<PyRef<'_, PyTarget>>,
         buffer_lens: Vec<usize>,
     ) -> PyResult<Self> {
         let m = manifest.inner.clone();
-        let ts = to_targets(targets, &buffer_lens).map_err(|e| to_pyerr(py, e))?;
+        let ts = to_targets(&targets, &buffer_lens).map_err(|e| to_pyerr(py, e))?;
         let mm = m.clone();
         let copies = detach(py, move || core::plan_copies(&mm, &ts))?;
         Ok(PyReadOnce {
@@ -477,13 +455,8 @@ impl PyReadOnce {
     fn rounds(&self) -> usize {
         self.plan.rounds.len()
     }
-    /// `(read_bytes, [(peer, send_bytes)], [(peer, recv_bytes)])` of round `k`.
-    #[allow(clippy::type_complexity)]
-    fn round_sizes(
-        &self,
-        py: Python<'_>,
-        k: usize,
-    ) -> PyResult<(u64, Vec<(u32, u64)>, Vec<(u32, u64)>)> {
+    /// The bytes round `k` reads, sends and receives.
+    fn round_bytes(&self, py: Python<'_>, k: usize) -> PyResult<PyRoundBytes> {
         let r = self.round(py, k)?;
         let sizes = |peers: &[(u32, Vec<core::coop::Span>)]| {
             peers
@@ -491,7 +464,11 @@ impl PyReadOnce {
                 .map(|(p, s)| (*p, s.iter().map(|s| s.bytes()).sum()))
                 .collect()
         };
-        Ok((r.read_len(), sizes(&r.sends), sizes(&r.recvs)))
+        Ok(PyRoundBytes {
+            read: r.read_len(),
+            sends: sizes(&r.sends),
+            recvs: sizes(&r.recvs),
+        })
     }
     /// `(first, last)` round writing into each buffer, `None` for a buffer no round writes.
     fn buffer_rounds(&self) -> Vec<Option<(usize, usize)>> {
@@ -653,26 +630,14 @@ fn io_counters() -> (u64, u64) {
     )
 }
 
-fn piece((offsets, sizes, local_start, strides): PyPiece) -> Piece {
-    Piece {
-        offsets,
-        sizes,
-        local_start,
-        strides,
-    }
-}
-
-/// Pieces `(offsets, sizes, local_start, strides)` of the flat range `[start, start + len)` of a
-/// tensor of `shape`, with local offsets counted from `start`.
+/// The pieces of the flat range `[start, start + len)` of a tensor of `shape`, with local offsets
+/// counted from `start`.
 #[pyfunction]
 fn flat_pieces(py: Python<'_>, shape: Vec<u64>, start: u64, len: u64) -> PyResult<Vec<PyPiece>> {
     let r = Region::Flat { start, len };
     r.check_bounds(&shape)
         .map_err(|why| to_pyerr(py, CoreError::InvalidArgument(why)))?;
-    Ok(r.pieces(&shape)
-        .into_iter()
-        .map(|p| (p.offsets, p.sizes, p.local_start, p.strides))
-        .collect())
+    Ok(r.pieces(&shape).into_iter().map(PyPiece::from).collect())
 }
 
 /// Contiguous runs `(flat_start, len, local_start)` of the box `offsets`/`sizes` of a tensor of
@@ -713,33 +678,43 @@ fn box_runs(
     Ok(out)
 }
 
-type PyBox = (Vec<u64>, Vec<u64>);
-
 fn saved_boxes(m: &Manifest, t: usize) -> Vec<PyBox> {
     let mut out = Vec::new();
-    core::load::for_each_saved_box(m, t, |o, s| out.push((o.to_vec(), s.to_vec())));
+    core::load::for_each_saved_box(m, t, |o, s| {
+        out.push(PyBox {
+            offsets: o.to_vec(),
+            sizes: s.to_vec(),
+        })
+    });
     out
 }
 
-/// Overlaps of saved and wanted boxes, one tensor per item of `tensors` (`(ndim, saved, wanted)`):
-/// per tensor, `(saved_index, wanted_index, offsets, sizes)` for every non-empty overlap, wanted
-/// box by wanted box, saved boxes ascending.
+/// The `(offsets, sizes)` pairs the core's box functions take.
+fn box_pairs(boxes: &[PyBox]) -> Vec<(Vec<u64>, Vec<u64>)> {
+    boxes
+        .iter()
+        .map(|b| (b.offsets.clone(), b.sizes.clone()))
+        .collect()
+}
+
+/// Every non-empty overlap of `saved` and `wanted` boxes of an `ndim`-d tensor, wanted box by
+/// wanted box, saved boxes ascending.
 #[pyfunction]
-#[allow(clippy::type_complexity)]
 fn box_overlaps(
     py: Python<'_>,
-    tensors: Vec<(usize, Vec<PyBox>, Vec<PyBox>)>,
-) -> PyResult<Vec<Vec<(usize, usize, Vec<u64>, Vec<u64>)>>> {
+    ndim: usize,
+    saved: Vec<PyBox>,
+    wanted: Vec<PyBox>,
+) -> PyResult<Vec<PyOverlap>> {
     detach(py, move || {
-        tensors
-            .iter()
-            .map(|(ndim, saved, wanted)| {
-                Ok(core::box_overlaps(*ndim, saved, wanted)?
-                    .into_iter()
-                    .map(|o| (o.saved, o.wanted, o.offsets, o.sizes))
-                    .collect())
+        let saved = box_pairs(&saved);
+        Ok(core::box_overlaps(ndim, &saved, &box_pairs(&wanted))?
+            .into_iter()
+            .map(|o| {
+                let at = saved[o.saved].0.clone();
+                PyOverlap::new(o, at)
             })
-            .collect()
+            .collect())
     })
 }
 
@@ -813,33 +788,32 @@ impl PyTensorInfo {
     }
 }
 
-/// A saved chunk of a tensor (`Manifest.chunks(t)`): its region (`kind` "box" with
-/// `offsets`/`sizes`, or "flat" with `[start]`/`[len]`), and `nbytes` bytes at `offset` of data
-/// file `file` (an index into `Manifest.files`).
-#[pyclass(name = "ChunkInfo", module = "olmo_chunks._core", frozen, get_all)]
+/// A saved chunk of a tensor (`Manifest.chunks(t)`): its region (a `Box` or a `Flat`), and
+/// `nbytes` bytes at `offset` of data file `file` (an index into `Manifest.files`).
+#[pyclass(name = "ChunkInfo", module = "olmo_chunks._core", frozen)]
 #[derive(Clone, PartialEq)]
 struct PyChunkInfo {
-    kind: String,
-    offsets: Vec<u64>,
-    sizes: Vec<u64>,
+    region: Region,
+    #[pyo3(get)]
     file: u32,
+    #[pyo3(get)]
     offset: u64,
+    #[pyo3(get)]
     nbytes: u64,
     /// "raw" or "zstd".
+    #[pyo3(get)]
     codec: String,
     /// Bytes the chunk takes in its file (`nbytes` when raw).
+    #[pyo3(get)]
     stored_nbytes: u64,
 }
 
 #[pymethods]
 impl PyChunkInfo {
     #[new]
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (kind, offsets, sizes, file, offset, nbytes, codec="raw".to_string(), stored_nbytes=None))]
+    #[pyo3(signature = (region, file, offset, nbytes, codec="raw".to_string(), stored_nbytes=None))]
     fn new(
-        kind: String,
-        offsets: Vec<u64>,
-        sizes: Vec<u64>,
+        region: RegionArg,
         file: u32,
         offset: u64,
         nbytes: u64,
@@ -847,9 +821,7 @@ impl PyChunkInfo {
         stored_nbytes: Option<u64>,
     ) -> Self {
         PyChunkInfo {
-            kind,
-            offsets,
-            sizes,
+            region: region.into(),
             file,
             offset,
             nbytes,
@@ -860,10 +832,14 @@ impl PyChunkInfo {
     fn __eq__(&self, other: &Self) -> bool {
         self == other
     }
+    #[getter]
+    fn region(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        region_py(py, &self.region)
+    }
     fn __repr__(&self) -> String {
         format!(
-            "ChunkInfo(kind={:?}, offsets={:?}, sizes={:?}, file={}, offset={}, nbytes={}, codec={:?}, stored_nbytes={})",
-            self.kind, self.offsets, self.sizes, self.file, self.offset, self.nbytes, self.codec, self.stored_nbytes
+            "ChunkInfo(region={:?}, file={}, offset={}, nbytes={}, codec={:?}, stored_nbytes={})",
+            self.region, self.file, self.offset, self.nbytes, self.codec, self.stored_nbytes
         )
     }
 }
@@ -911,24 +887,31 @@ impl PyTensorSchema {
     }
 }
 
-/// One chunk a rank wrote (`olmo_chunks._core.WrittenChunk`): its region of tensor `key` (`kind`
-/// "box" with `offsets`/`sizes`, or "flat" with `[start]`/`[len]`) and where its bytes lie.
-/// Picklable: ranks send these to the rank that commits.
-#[pyclass(name = "WrittenChunk", module = "olmo_chunks._core", frozen, get_all)]
+/// One chunk a rank wrote (`olmo_chunks._core.WrittenChunk`): its region of tensor `key` (a
+/// `Box` or a `Flat`) and where its bytes lie. Picklable: ranks send these to the rank that
+/// commits.
+#[pyclass(name = "WrittenChunk", module = "olmo_chunks._core", frozen)]
 #[derive(Clone)]
 struct PyWrittenChunk {
+    #[pyo3(get)]
     key: String,
-    kind: String,
-    offsets: Vec<u64>,
-    sizes: Vec<u64>,
+    region: Region,
+    #[pyo3(get)]
     file: String,
+    #[pyo3(get)]
     file_size: u64,
+    #[pyo3(get)]
     offset: u64,
+    #[pyo3(get)]
     nbytes: u64,
+    #[pyo3(get)]
     checksums: Vec<u32>,
     /// "raw", or "zstd" with its `shuffle` width and each block's stored length.
+    #[pyo3(get)]
     codec: String,
+    #[pyo3(get)]
     shuffle: u8,
+    #[pyo3(get)]
     block_lens: Vec<u32>,
 }
 
@@ -936,12 +919,10 @@ struct PyWrittenChunk {
 impl PyWrittenChunk {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (key, kind, offsets, sizes, file, file_size, offset, nbytes, checksums, codec="raw".to_string(), shuffle=0, block_lens=Vec::new()))]
+    #[pyo3(signature = (key, region, file, file_size, offset, nbytes, checksums, codec="raw".to_string(), shuffle=0, block_lens=Vec::new()))]
     fn new(
         key: String,
-        kind: String,
-        offsets: Vec<u64>,
-        sizes: Vec<u64>,
+        region: RegionArg,
         file: String,
         file_size: u64,
         offset: u64,
@@ -953,9 +934,7 @@ impl PyWrittenChunk {
     ) -> Self {
         PyWrittenChunk {
             key,
-            kind,
-            offsets,
-            sizes,
+            region: region.into(),
             file,
             file_size,
             offset,
@@ -966,13 +945,16 @@ impl PyWrittenChunk {
             block_lens,
         }
     }
+    #[getter]
+    fn region(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        region_py(py, &self.region)
+    }
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
         let c = slf.get().clone();
         let args = (
             c.key,
-            c.kind,
-            c.offsets,
-            c.sizes,
+            region_py(py, &c.region)?,
             c.file,
             c.file_size,
             c.offset,
@@ -982,12 +964,12 @@ impl PyWrittenChunk {
             c.shuffle,
             c.block_lens,
         );
-        (slf.get_type(), args).into_pyobject(slf.py())
+        (slf.get_type(), args).into_pyobject(py)
     }
     fn __repr__(&self) -> String {
         format!(
-            "WrittenChunk(key={:?}, {} {:?}+{:?}, file={:?}, offset={}, nbytes={})",
-            self.key, self.kind, self.offsets, self.sizes, self.file, self.offset, self.nbytes
+            "WrittenChunk(key={:?}, {:?}, file={:?}, offset={}, nbytes={})",
+            self.key, self.region, self.file, self.offset, self.nbytes
         )
     }
 }
@@ -996,7 +978,7 @@ impl PyWrittenChunk {
     fn to_core(&self) -> Result<core::SavedChunk, CoreError> {
         Ok(core::SavedChunk {
             key: self.key.clone(),
-            region: region_from_py(&self.kind, self.offsets.clone(), self.sizes.clone())?,
+            region: self.region.clone(),
             file: self.file.clone(),
             file_size: self.file_size,
             offset: self.offset,
@@ -1016,9 +998,8 @@ impl PyWrittenChunk {
     }
 }
 
-/// Writes one fresh data file `rel_path` under `dir` (a directory or URL) holding `items` (`(key,
-/// kind, a, b, address, nbytes)`: the chunk's region of tensor `key` and its bytes in live memory),
-/// each compressed with zstd at `zstd_level` when given, makes it durable, and returns a
+/// Writes one fresh data file `rel_path` under `dir` (a directory or URL) holding `items`, each
+/// compressed with zstd at `zstd_level` when given, makes it durable, and returns a
 /// `WrittenChunk` per item.
 #[pyfunction]
 #[pyo3(signature = (dir, rel_path, items, block_size, workers=None, zstd_level=None))]
@@ -1026,20 +1007,20 @@ fn write_chunks(
     py: Python<'_>,
     dir: PathBuf,
     rel_path: String,
-    items: Vec<PyWriteItem>,
+    items: Vec<PyRef<'_, PyWriteItem>>,
     block_size: u64,
     workers: Option<usize>,
     zstd_level: Option<i32>,
 ) -> PyResult<Vec<PyWrittenChunk>> {
     let datas: Vec<&[u8]> = items
         .iter()
-        .map(|&(_, _, _, _, ptr, len)| {
-            if len == 0 {
+        .map(|item| {
+            if item.nbytes == 0 {
                 return &[][..];
             }
             // SAFETY: the Python caller passes `data_ptr()` and byte size of live contiguous CPU
             // tensors that it keeps referenced and unmodified for the whole call; we only read.
-            unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+            unsafe { std::slice::from_raw_parts(item.address as *const u8, item.nbytes) }
         })
         .collect();
     let rel = vec![rel_path];
@@ -1060,13 +1041,11 @@ fn write_chunks(
     })?;
     let file = &files[0];
     Ok(items
-        .into_iter()
+        .iter()
         .zip(written)
-        .map(|((key, kind, offsets, sizes, _, _), w)| PyWrittenChunk {
-            key,
-            kind,
-            offsets,
-            sizes,
+        .map(|(item, w)| PyWrittenChunk {
+            key: item.key.clone(),
+            region: item.region.clone(),
             file: file.path.clone(),
             file_size: file.size,
             offset: w.offset,
@@ -1377,6 +1356,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFileInfo>()?;
     m.add_class::<PyTensorInfo>()?;
     m.add_class::<PyChunkInfo>()?;
+    m.add_class::<PyBox>()?;
+    m.add_class::<PyFlat>()?;
+    m.add_class::<PyPiece>()?;
+    m.add_class::<PyTarget>()?;
+    m.add_class::<PyRun>()?;
+    m.add_class::<PyOverlap>()?;
+    m.add_class::<PyRoundBytes>()?;
+    m.add_class::<PyWriteItem>()?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_runs, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
