@@ -46,13 +46,17 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     assert {(r["where"], r["method"]) for r in res["stage"]} == {
         (w, m) for w in saved for m in ("native", "dcp", "raw")}
     assert {(r["where"], r["method"]) for r in res["load"]} == {
-        (name, m) for name, _, _ in bench.PAIRS for m in contenders | {"raw", "native-noverify", "native-direct"}}
+        (name, m) for name, _, _ in bench.PAIRS for m in contenders | {"raw", "native-noverify", "native-once", "native-direct"}}
     for name, _, _ in bench.PAIRS:
         read = {r["method"]: r["read_x"] for r in res["load"] if r["where"] == name}
         assert read["raw"] == 1.0  # the loading ranks' shares of the raw files, once
         # every contender reads at least the checkpoint's bytes; reading once never reads more than direct
         assert all(x >= 1.0 for x in read.values()), read
-        assert read["native"] <= read["native-direct"] + 1e-9, read
+        assert read["native-once"] <= read["native-direct"] + 1e-9, read
+        (auto,) = [r for r in res["load"] if r["where"] == name and r["method"] == "native"]
+        assert auto["chose"] in ("once", "direct") and auto["of_best_mode"] > 0, auto
+        # The default reads what the mode it chose reads.
+        assert read["native"] == pytest.approx(read[f"native-{auto['chose']}"], rel=0.05), (read, auto["chose"])
     assert {(r["where"], r["method"]) for r in res["stall"]} == {
         (w, m) for w in saved for m in ("raw", "native", "native-async", "dcp-async")}
     for row in res["save"] + res["stage"] + res["stall"] + res["load"]:
@@ -76,8 +80,8 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     assert "olmo_chunks async_save" in table and "DCP async_save" in table
     for label in ("olmo_chunks native", "olmo_chunks native, verify=False", "olmo_chunks via DCP",
                   "DCP FileSystemWriter t=2", "DCP FileSystemReader", "roofline: raw read", "roofline: raw write+fsync",
-                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s", "read=direct", "read x",
-                  "olmo_chunks native @url", "requests "):
+                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s", "read=direct", "read=once", "read=auto", "chose ", "of the better mode", "read x",
+                  "olmo_chunks native (read=auto) @url", "requests "):
         assert label in table
     assert json.loads(json.dumps(res)) == res
     assert not (tmp_path / "bench").exists()

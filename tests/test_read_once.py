@@ -85,6 +85,51 @@ def test_each_saved_byte_is_read_once_per_job(saved, src, dst, m, direct_amplifi
         assert {r[2][0] for r in once} == {"once"}
 
 
+def load_auto(path: str, layout: str, gbps: str | None):
+    """`load_as` with read="auto" and the storage rate `gbps` (None: learned or prior); returns
+    (exact, what was chosen, predicted direct and once seconds, why)."""
+    import os
+
+    from olmo_chunks import rates
+
+    if gbps is not None:
+        os.environ["OLMO_CHUNKS_STORAGE_GBPS"] = gbps
+    try:
+        mesh = world.mesh((dist.get_world_size(),))
+        state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
+        r = olmo_chunks.load(state, path).reading
+        exact = all(torch.equal(state[k].to_local(), distribute_tensor(full(k), mesh, placements(layout)).to_local())
+                    for k in KEYS)
+        return exact, r.read, r.predicted_direct_s, r.predicted_once_s, r.why, rates.storage_rate(path)[1]
+    finally:
+        os.environ.pop("OLMO_CHUNKS_STORAGE_GBPS", None)
+
+
+def test_auto_reads_once_from_slow_storage_and_directly_from_fast(saved):
+    # S0 -> R on 4 ranks: reading directly reads every block 4 times, reading once moves 3/4 of
+    # the bytes through the exchange. 10 MB/s storage makes the reads dominate; 1 TB/s the exchange.
+    slow = world.run(4, load_auto, saved["S0"], "R", "0.01")
+    fast = world.run(4, load_auto, saved["S0"], "R", "1000")
+    for results, chosen in ((slow, "once"), (fast, "direct")):
+        for exact, read, direct_s, once_s, why, _ in results:
+            assert exact and read == chosen, (read, direct_s, once_s, why)
+            assert (once_s < direct_s) == (chosen == "once") and "(env)" in why and "GB/s on cpu" in why
+    # Each rank would read the whole 8 MiB checkpoint directly: 8 MiB at 10 MB/s.
+    assert slow[0][2] == pytest.approx(CHECKPOINT / 1e7, rel=1e-6)
+    # Without the variable the rate is the prior, then what this process's loads measured.
+    assert world.run(2, _two_auto_loads, saved["S0"]) == [("prior", "learned")] * 2
+
+
+def _two_auto_loads(path: str) -> tuple[str, str]:
+    from olmo_chunks import rates
+
+    rates._learned.clear()  # this world's earlier tests loaded from this filesystem too
+    before = rates.storage_rate(path)[1]
+    exact, *_ = load_auto(path, "R", None)
+    assert exact
+    return before, rates.storage_rate(path)[1]
+
+
 def load_through_dcp(path: str, layout: str, read: str) -> tuple[int, bool]:
     """`load_as` through torch DCP with `ChunkStoreReader` + `FastLoadPlanner`."""
     import torch.distributed.checkpoint as dcp
@@ -139,7 +184,7 @@ def load_mixed(path: str) -> bool:
     both = torch.zeros(ROWS, 2 * COLS)
     c = torch.zeros(COLS, ROWS).t()
     state = {"a": both[:, :COLS], "b": both[:, COLS:], "c": c}
-    report = olmo_chunks.load(state, path)
+    report = olmo_chunks.load(state, path, read="once")
     return report.read == "once" and all(torch.equal(state[k], full(k)) for k in ("a", "b", "c"))
 
 

@@ -4,8 +4,10 @@ One world of real processes (gloo) holds a synthetic OLMo-like state (dense laye
 FP32 main weights, exp_avg, exp_avg_sq), saves it on N ranks in layout A and loads it on M ranks
 in layout B, for several pairs, through every contender on the same data:
 
-- `native`: `olmo_chunks.save` / `olmo_chunks.load` (experts as `ExpertFlatView`s; loads read each
-  saved block once per job, `native read=direct` has every rank read what it needs itself),
+- `native`: `olmo_chunks.save` / `olmo_chunks.load` (experts as `ExpertFlatView`s; loads with the
+  default `read="auto"`, whose choice the load rows show, then `read=once` (each saved block read
+  once per job) and `read=direct` (every rank reads what it needs itself); the auto row's `of best`
+  is its GB/s over the better of the two),
 - `ours-dcp`: `dcp.save` / `dcp.load` with `ChunkStoreWriter` / `ChunkStoreReader` + `FastLoadPlanner`,
 - `dcp-fs t=K`: `dcp.save` with `FileSystemWriter(thread_count=K)` (K = 1 and the core count), and
   `dcp.load` with `FileSystemReader`,
@@ -497,17 +499,26 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
         peak.start = _status("VmRSS")  # the destination is not extra
         return timed(lambda: _raw_read(raw_files, share[0], out))
     if method.startswith("native"):
-        verify, read = method != "native-noverify", "direct" if method == "native-direct" else "once"
-        return timed(lambda: checkpoint.load(held.native, path, process_group=group, verify=verify, read=read))
+        verify = method != "native-noverify"
+        read = {"native-direct": "direct", "native-once": "once"}.get(method, "auto")
+
+        def load() -> None:
+            _CHOSEN[method] = checkpoint.load(held.native, path, process_group=group, verify=verify, read=read).read
+
+        return timed(load)
     if method == "ours-dcp":
         return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path, process_group=group),
                                       planner=FastLoadPlanner(), process_group=group))
     return timed(lambda: dcp.load(held.dcp, storage_reader=_counted_reader(path), process_group=group))
 
 
+# What the last native load of each method read with ("once" or "direct").
+_CHOSEN: dict[str, str] = {}
+
+
 def _base(method: str) -> str:
     """The contender whose checkpoint a load method reads."""
-    return method.removesuffix("-noverify").removesuffix("-direct")
+    return method.removesuffix("-noverify").removesuffix("-direct").removesuffix("-once")
 
 
 URL_SUFFIX = "@url"
@@ -548,7 +559,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
     def record(kind: str, where: str, method: str, seconds: float, rss: int, requests: int = 0,
                read: int = 0) -> None:
         records.append({"kind": kind, "where": where, "method": method, "seconds": seconds, "rss": rss,
-                        "requests": requests, "read": read})
+                        "requests": requests, "read": read, "chose": _CHOSEN.pop(method, None)})
 
     def path_of(method: str, ranks: int) -> str:
         name = re.sub(r"[^a-z0-9-]", "", method.removesuffix(URL_SUFFIX)) + f"-{ranks}"
@@ -587,7 +598,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                 if a2 != a:
                     continue
                 dst = _hold(specs, b, rank)
-                for method in ["raw", "native", "native-direct", "native-noverify", *contenders[1:]]:
+                for method in ["raw", "native", "native-once", "native-direct", "native-noverify", *contenders[1:]]:
                     if dst is not None:
                         for t in dst.locals.values():
                             t.zero_()
@@ -630,9 +641,11 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
     for recs in per_rank:
         for r in recs:
             c = cells.setdefault((r["kind"], r["where"], r["method"]),
-                                 {"seconds": [], "rss": 0, "requests": {}, "read": {}})
+                                 {"seconds": [], "rss": 0, "requests": {}, "read": {}, "chose": []})
             if per_rank[0] is recs:
                 c["seconds"].append(r["seconds"])
+                if r.get("chose"):
+                    c["chose"].append(r["chose"])
             c["rss"] = max(c["rss"], r["rss"])
             c["requests"].setdefault(id(recs), r.get("requests", 0))  # the first repetition's
             c["read"].setdefault(id(recs), r.get("read", 0))  # the same every repetition
@@ -643,6 +656,7 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
         rows[kind].append({"where": where, "method": method, "seconds": c["seconds"], "best_s": best,
                            "gbps": total / best / 1e9, "peak_extra_rss_mib": c["rss"] / MIB,
                            "read_x": sum(c["read"].values()) / total,
+                           "chose": "/".join(sorted(set(c["chose"]))) or None,
                            "requests_per_rank": requests if any(requests) else None})
     for group in rows.values():
         by_where: dict[str, list[dict[str, Any]]] = {}
@@ -652,9 +666,12 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
             roof = next(r for r in where_rows if r["method"] == "raw")["gbps"]
             dcp_rows = [r for r in where_rows if r["method"].startswith("dcp")]
             dcp_best = max(r["gbps"] for r in dcp_rows) if dcp_rows else None
+            modes = [r["gbps"] for r in where_rows if r["method"] in ("native-once", "native-direct")]
             for row in where_rows:
                 row["of_roofline"] = row["gbps"] / roof
                 row["x_dcp"] = row["gbps"] / dcp_best if dcp_best else None
+                if row["method"] == "native" and modes:
+                    row["of_best_mode"] = row["gbps"] / max(modes)
     return {
         "machine": machine_info(opts.root),
         "state_bytes": total,
@@ -700,9 +717,10 @@ def machine_info(path: str = "/tmp") -> dict[str, Any]:
 
 _NAMES = {
     "raw": "roofline",
-    "native": "olmo_chunks native",
+    "native": "olmo_chunks native (read=auto)",
     "native-noverify": "olmo_chunks native, verify=False",
     "native-direct": "olmo_chunks native, read=direct",
+    "native-once": "olmo_chunks native, read=once",
     "ours-dcp": "olmo_chunks via DCP",
 }
 
@@ -748,6 +766,9 @@ def format_table(res: dict[str, Any]) -> str:
         read = f"{r['read_x']:.2f}" if kind == "load" else ""
         req = r.get("requests_per_rank")
         req = f"  requests {sum(req)} ({'/'.join(map(str, req))})" if req else ""
+        if kind == "load" and r.get("chose") and r["method"] == "native":
+            best = f", {r['of_best_mode'] * 100:.0f}% of the better mode" if r.get("of_best_mode") else ""
+            req += f"  chose {r['chose']}{best}"
         return (f"  {_name(r['method'], kind):<38} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "
                 f"{r['best_s']:>8.3f} {r['peak_extra_rss_mib']:>8.0f} {read:>7}{req}").rstrip()
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
-from .fill import STAGING_BYTES, Fill, check_read_mode, fill
+from .fill import STAGING_BYTES, Fill, ReadOutcome, check_read_mode, fill
 from .location import checkpoint_location
 from .roles import resolve_role
 from .session import SaveSession, staging_bytes, zstd_level
@@ -73,10 +73,21 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     # How the bytes came: "once" (each block read by one rank, handed to the others) or "direct";
-    # with "once", the rounds and the most bytes this rank read, sent and received in one.
-    read: str = "direct"
-    rounds: int = 0
-    round_peak_bytes: int = 0
+    # with "once", the rounds and the most bytes this rank read, sent and received in one; with
+    # read="auto", the predicted seconds of both and the rates they came from.
+    reading: ReadOutcome = field(default_factory=ReadOutcome)
+
+    @property
+    def read(self) -> str:
+        return self.reading.read
+
+    @property
+    def rounds(self) -> int:
+        return self.reading.rounds
+
+    @property
+    def round_peak_bytes(self) -> int:
+        return self.reading.peak_bytes
 
     @property
     def ok(self) -> bool:
@@ -278,18 +289,20 @@ def load(
     verify: bool = True,
     workers: int | None = None,
     peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-    read: str = "once",
+    read: str = "auto",
 ) -> LoadReport:
     """Fills `state_dict` in place from checkpoint `path`, whatever layout either side has.
 
     Every tensor (plain, DTensor or `ChunkSource`) receives exactly the elements of the global
     tensor it holds, read in parallel and checked against block checksums (`verify`). With
-    `read="once"` (the default) each saved block the job needs is read from storage by one rank
-    and handed to the other ranks that need it through the group's collectives (in rounds of at
-    most `OLMO_CHUNKS_STAGING_BYTES` per rank); `read="direct"` has every rank read what it needs
-    itself. The manifest is read by rank 0 and broadcast. Plain values are replaced. A model
-    conversion (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError`
-    listing every mismatch; with `strict=False` what matches is loaded and the rest reported in the
+    `read="once"` each saved block the job needs is read from storage by one rank and handed to
+    the other ranks that need it through the group's collectives (in rounds of at most
+    `OLMO_CHUNKS_STAGING_BYTES` per rank); `read="direct"` has every rank read what it needs
+    itself; `read="auto"` (the default) predicts both from measured storage and exchange rates
+    (`olmo_chunks.rates`) and takes the faster (`LoadReport.reading` says which and why). The
+    manifest is read by rank 0 and broadcast. Plain values are replaced. A model conversion
+    (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError` listing
+    every mismatch; with `strict=False` what matches is loaded and the rest reported in the
     returned `LoadReport`. Saved trainer state (`trainer.*`, restored by `load_trainer_state`) is
     checked only when `state_dict` holds trainer state too.
 
@@ -358,9 +371,8 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
         return report, fills, leaves, entries
 
     report, fills, leaves, entries = group.agree(check)
-    stats = fill(manifest, fills, verify=verify, workers=workers, group=group, read=read)
-    if stats is not None:
-        report.read, report.rounds, report.round_peak_bytes = "once", stats.rounds, stats.peak_bytes
+    report.reading = fill(manifest, fills, verify=verify, workers=workers, group=group, read=read,
+                          source=checkpoint_location(path))
     nbytes = sum(f.dest.numel() * f.dest.element_size() for f in fills)
     for key, leaf in leaves.items():
         if not leaf.is_tensor and key in entries:

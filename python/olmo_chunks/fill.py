@@ -7,17 +7,20 @@ at a time whatever the destinations' dtype or device (pinned for CUDA), and is c
 torch. A destination that is the same memory as another key's (tied weights) is filled once and
 checked: the checkpoint must hold the same bytes for both keys.
 
-Across the ranks of a job (`read="once"`, the default), a saved block that several ranks need is
-read from storage by one of them and handed to the others with torch collectives (`all_to_all` on
-gloo for CPU, on NCCL for CUDA destinations): the core plans which rank reads what (`ReadOnce`,
+Across the ranks of a job (`read="once"`), a saved block that several ranks need is read from
+storage by one of them and handed to the others with torch collectives (`all_to_all` on gloo for
+CPU, on NCCL for CUDA destinations): the core plans which rank reads what (`ReadOnce`,
 `plan_read_once`), in rounds in which no rank reads, sends and receives more than `STAGING_BYTES`.
-When no block is needed by two ranks, every rank reads its own, as with `read="direct"`.
+When no block is needed by two ranks, every rank reads its own, as with `read="direct"`. With
+`read="auto"` (the default) the core predicts both strategies' time from measured rates
+(`olmo_chunks.rates`) and the load takes the faster.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _core
+from . import _core, rates
 from ._dist import Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
 from .shards import is_dense
 
-__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "ReadOnceStats", "check_read_mode", "fill"]
+__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "ReadOutcome", "check_read_mode", "fill"]
 
-READ_MODES = ("once", "direct")
+READ_MODES = ("auto", "once", "direct")
 
 # Host memory used at a time to stage destinations the core cannot fill in place.
 STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
@@ -51,25 +54,37 @@ class Fill:
 
 
 @dataclass
-class ReadOnceStats:
-    """A cooperative load's rounds, and the most bytes this rank read, sent and received in one."""
+class ReadOutcome:
+    """How a load's bytes came: `read` "once" (with its rounds, and the most bytes this rank read,
+    sent and received in one) or "direct"; with `read="auto"`, the predicted seconds of both
+    strategies and the rates they came from (`why`); and the seconds the reads took."""
 
-    rounds: int
-    peak_bytes: int
+    read: str = "direct"
+    rounds: int = 0
+    peak_bytes: int = 0
+    predicted_direct_s: float | None = None
+    predicted_once_s: float | None = None
+    why: str = ""
+    seconds: float = 0.0
 
 
 def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None,
-         group: Group | None = None, read: str = "once") -> ReadOnceStats | None:
-    """Fills every `Fill.dest` from `manifest` (see the module docstring). With a `group` of
-    several ranks every rank calls this together (collective), with the same `read`. Returns the
-    cooperative load's figures, or None when each rank read its own bytes."""
+         group: Group | None = None, read: str = "auto", source: str = "") -> ReadOutcome:
+    """Fills every `Fill.dest` from `manifest`, the checkpoint at `source` (see the module
+    docstring). With a `group` of several ranks every rank calls this together (collective), with
+    the same `read`."""
     check_read_mode(read)
+    t0 = time.perf_counter()
     direct, staged, tied = _classify(fills)
     force = os.environ.get("OLMO_CHUNKS_READ_ONCE") == "always"  # benchmarks: the rounds even alone
-    if group is not None and read == "once" and (group.size > 1 or force):
-        stats = _read_once(manifest, direct, staged, tied, group, verify, workers, force)
-        if stats is not None:
-            return stats
+    outcome = ReadOutcome()
+    if group is not None and read != "direct" and (group.size > 1 or force):
+        outcome = _read_once(manifest, direct, staged, tied, group, verify, workers, force, read == "auto", source)
+        if outcome.read == "once":
+            outcome.seconds = time.perf_counter() - t0
+            return outcome
+    before = _core.io_counters()[0]
+    t_read = time.perf_counter()
     if direct:
         _load_direct(manifest, direct, verify, workers)
     for batch in _batches(staged):
@@ -77,7 +92,9 @@ def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, worke
     first = {id(f): key for f, key in tied}
     for batch in _batches([f for f, _ in tied]):
         _check_tied(batch, _load_staged(manifest, batch, verify, workers), first)
-    return None
+    rates.learn_storage(source, _core.io_counters()[0] - before, time.perf_counter() - t_read)
+    outcome.seconds = time.perf_counter() - t0
+    return outcome
 
 
 def check_read_mode(read: str) -> str:
@@ -215,33 +232,81 @@ def _batches(fills: list[Fill]) -> Iterator[list[Fill]]:
 
 
 def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill], tied: list[tuple[Fill, str]],
-               group: Group, verify: bool, workers: int | None, force: bool) -> ReadOnceStats | None:
-    """The cooperative load (collective). Returns None, having read nothing, when no saved block
-    is needed by two ranks (and not `force`): each rank then reads its own."""
-    load = _CooperativeLoad(manifest, direct, staged, tied, group, verify, workers)
-    # Which device the bytes travel on (one store step, where a failure describing the needs
-    # reaches every rank), then the needs to rank 0 and the plans back by bounded collectives.
+               group: Group, verify: bool, workers: int | None, force: bool, auto: bool,
+               source: str) -> ReadOutcome:
+    """The cooperative load (collective). Reads nothing and returns a "direct" outcome when no
+    saved block is needed by two ranks (and not `force`), or with `auto` when reading directly is
+    predicted faster: each rank then reads its own."""
+    load = _CooperativeLoad(manifest, direct, staged, tied, group, verify, workers, source)
+    # Which device the bytes travel on, and whether the group's exchange must be measured first
+    # (one store step, where a failure describing the needs reaches every rank), then the needs to
+    # rank 0 and the plans back by bounded collectives.
     needs: list[bytes] = []
 
-    def describe() -> bool:
+    def describe() -> tuple[bool, list[str]]:
         n, cuda = load.needs()
         needs.append(n)
-        return cuda
+        return cuda, [d for d in ("cpu", "cuda") if (id(group.pg), d) in _EXCHANGE]
 
-    device = group.exchange(describe, lambda cudas: _exchange_device(group, any(cudas), all(cudas)))[1]
+    def route(got: list[tuple[bool, list[str]]]) -> tuple[str, bool]:
+        device = _exchange_device(group, any(c for c, _ in got), all(c for c, _ in got))
+        return device, auto and group.size > 1 and not all(device in known for _, known in got)
+
+    device, probe = group.exchange(describe, route)[1]
+    if probe:
+        _EXCHANGE[(id(group.pg), device)] = _measure_exchange(group, device)
+    measured = _EXCHANGE.get((id(group.pg), device))
     gathered = group.gather_bytes(needs[0]) if group.size > 1 else needs
     plans: list[bytes] | None = None
 
-    def plan(_: list[None]) -> bool:
+    def plan(_: list[None]) -> tuple[str, float | None, float | None, str]:
         nonlocal plans
         assert gathered is not None
-        plans = _core.plan_read_once(manifest, gathered, STAGING_BYTES, force)
-        return plans is not None
+        model, why = None, ""
+        if auto and measured is not None:
+            storage, origin = rates.storage_rate(source)
+            model = _core.Rates(storage, measured.bps, measured.round_s)
+            why = (f"storage {storage / 1e9:.2f} GB/s ({origin}), exchange {measured.bps / 1e9:.2f} GB/s "
+                   f"on {device}, {measured.round_s * 1e3:.1f} ms per round")
+        choice = _core.plan_read_once(manifest, gathered, STAGING_BYTES, force, model)
+        plans = choice.plans
+        return "once" if plans is not None else "direct", choice.direct_s, choice.once_s, why
 
-    if not group.exchange(None, plan)[1]:
-        return None
+    mode, direct_s, once_s, why = group.exchange(None, plan)[1]
+    outcome = ReadOutcome(mode, predicted_direct_s=direct_s, predicted_once_s=once_s, why=why)
+    if outcome.read == "direct":
+        return outcome
     mine = group.scatter_bytes(plans) if group.size > 1 else plans[0]  # type: ignore[index]
-    return load.run(mine, device)
+    outcome.rounds, outcome.peak_bytes = load.run(mine, device)
+    return outcome
+
+
+# Each group's measured exchange, by process group and device (`_measure_exchange`).
+_EXCHANGE: dict[tuple[int, str], rates.ExchangeRates] = {}
+
+
+def _measure_exchange(group: Group, device: str) -> rates.ExchangeRates:
+    """Times a tiny all-to-all and one of `rates.PROBE_BYTES` per rank on `device` (collective),
+    and one agreement of the group."""
+    per_peer = max(1, rates.PROBE_BYTES // group.size)
+
+    def all_to_all(n: int) -> float:
+        send = torch.zeros(n * group.size, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(recv, send, group=group.pg, async_op=True)
+        group.wait_work(work, "the exchange probe", cuda=device != "cpu")
+        return time.perf_counter() - t0
+
+    def probe() -> tuple[float, float]:
+        all_to_all(1)  # connections set up
+        return all_to_all(1), all_to_all(per_peer)
+
+    t0 = time.perf_counter()
+    small, big = group.agree(probe)
+    agreement = max(0.0, time.perf_counter() - t0 - small - big)
+    moved = per_peer * (group.size - 1)
+    return rates.ExchangeRates(moved / max(big - small, 1e-6), small + agreement)
 
 
 class _CooperativeLoad:
@@ -251,8 +316,11 @@ class _CooperativeLoad:
     against the tensor it is tied to)."""
 
     def __init__(self, manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
-                 tied: list[tuple[Fill, str]], group: Group, verify: bool, workers: int | None) -> None:
+                 tied: list[tuple[Fill, str]], group: Group, verify: bool, workers: int | None,
+                 source: str) -> None:
         self.manifest, self.group, self.verify, self.workers = manifest, group, verify, workers
+        self.source = source
+        self.read_s, self.read_bytes = 0.0, 0
         self.storages, self.direct_targets = _storages(direct)
         others = staged + [f for f, _ in tied]
         self.fill_of = {len(self.storages) + j: f for j, f in enumerate(others)}
@@ -272,9 +340,10 @@ class _CooperativeLoad:
         self.ro = _core.ReadOnce(self.manifest, targets, self.lens)
         return self.ro.needs(), self.pin
 
-    def run(self, plan: bytes, device: str) -> ReadOnceStats:
+    def run(self, plan: bytes, device: str) -> tuple[int, int]:
         """Every round of `plan`, each one agreed by every rank: exchange, copies into place, then
-        the next round's reads (so a failure reaches every rank before the next collective)."""
+        the next round's reads (so a failure reaches every rank before the next collective).
+        Returns the rounds, and the most bytes this rank read, sent and received in one."""
         ro = self.ro
         ro.start(plan)
         self.device = device
@@ -291,7 +360,8 @@ class _CooperativeLoad:
             self.group.agree(functools.partial(self._read, 0))
         for k in range(ro.rounds):
             self.group.agree(functools.partial(self._step, k))
-        return ReadOnceStats(ro.rounds, max((ro.round_bytes(k).total for k in range(ro.rounds)), default=0))
+        rates.learn_storage(self.source, self.read_bytes, self.read_s)
+        return ro.rounds, max((ro.round_bytes(k).total for k in range(ro.rounds)), default=0)
 
     def _read(self, k: int) -> None:
         """Allocates the stages round `k` starts, reads its blocks and packs what peers need."""
@@ -303,7 +373,10 @@ class _CooperativeLoad:
         sizes = self.ro.round_bytes(k)
         self.read_buf = torch.empty(sizes.read, dtype=torch.uint8, pin_memory=self.pin)
         send = torch.empty(sum(sizes.sends.values()), dtype=torch.uint8, pin_memory=self.pin)
+        t0 = time.perf_counter()
         self.ro.read(k, _addr(self.read_buf), _addr(send), self.verify, self.workers)
+        self.read_s += time.perf_counter() - t0
+        self.read_bytes += sizes.read
         # Everything the exchange needs is allocated here, where a failure still reaches every
         # rank before any of them enters the collective.
         self.exchange = _Exchange(self.group, self.device, send, sizes)

@@ -49,9 +49,9 @@ class ChunkStoreReader(StorageReader):
     """DCP `StorageReader` over an olmo-chunks checkpoint (saved by either front door).
 
     `verify` checks block checksums of everything read; `workers` bounds the reading threads;
-    `read="once"` (the default) has each saved block the job needs read by one rank and handed to
-    the others through the process group's collectives (see `olmo_chunks.load`), `"direct"` has
-    every rank read its own.
+    `read="once"` has each saved block the job needs read by one rank and handed to the others
+    through the process group's collectives (see `olmo_chunks.load`), `"direct"` has every rank
+    read its own, `"auto"` (the default) takes the one predicted faster.
     `FileSystemReader`'s `_extension_registry` is accepted and unused: olmo-chunks' blocks
     describe their own compression, so there are no stream transforms to undo.
     """
@@ -65,7 +65,7 @@ class ChunkStoreReader(StorageReader):
         _extension_registry: Any = None,
         process_group: dist.ProcessGroup | None = None,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-        read: str = "once",
+        read: str = "auto",
     ) -> None:
         super().__init__()
         check_read_mode(read)
@@ -166,7 +166,8 @@ class ChunkStoreReader(StorageReader):
 
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner, group: Group) -> None:
         fills, resolved = group.agree(lambda: self._resolve(plan, planner))
-        fill(self._open(), fills, verify=self.verify, workers=self.workers, group=group, read=self.read)
+        fill(self._open(), fills, verify=self.verify, workers=self.workers, group=group, read=self.read,
+             source=self.path or "")
         group.agree(lambda: self._commit(plan, planner, resolved))
 
     def _resolve(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[list[Fill], list[tuple[ReadItem, torch.Tensor]]]:

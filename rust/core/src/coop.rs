@@ -161,6 +161,70 @@ pub fn shared(needs: &[Vec<Need>]) -> bool {
     })
 }
 
+/// What a load's time is predicted from ([`predict`]), all measured on the job's machines.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// Bytes per second one rank reads from the checkpoint's storage (checksums verified, into
+    /// place), with the other ranks reading too.
+    pub storage: f64,
+    /// Bytes per second one rank sends and receives in an all-to-all of the group.
+    pub exchange: f64,
+    /// Seconds a round costs besides its bytes: its agreement and the collective's latency.
+    pub round: f64,
+}
+
+/// Predicted seconds of one load, read directly and read once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    pub direct: f64,
+    pub once: f64,
+}
+
+/// Per rank, the bytes a direct load reads: every block it needs, whole (so its checksum is
+/// verified). `needs` must be valid for `m` (as [`plan`] checks).
+pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>]) -> Vec<u64> {
+    needs
+        .iter()
+        .map(|list| {
+            let mut blocks: Vec<(u64, u64)> =
+                list.iter().map(|n| (n.span.chunk, n.block)).collect();
+            blocks.sort_unstable();
+            blocks.dedup();
+            blocks.iter().map(|&(c, b)| block_len(m, c, b)).sum()
+        })
+        .collect()
+}
+
+/// The cost model of the two read strategies. Ranks work in parallel and the slowest one sets the
+/// pace. Reading directly, rank `r` reads `direct[r]` bytes: `max_r direct[r] / storage`. Reading
+/// once, the rounds of `plans` run one after another, and a round takes its slowest reader, then
+/// its slowest exchanger (the larger of what a rank sends and receives), then its fixed cost:
+/// `sum_k (max_r read[r][k] / storage + max_r moved[r][k] / exchange + round)`.
+pub fn predict(direct: &[u64], plans: &[ReadPlan], rates: &Rates) -> Prediction {
+    let per_s = |bytes: u64, rate: f64| if bytes == 0 { 0.0 } else { bytes as f64 / rate };
+    let slowest = direct.iter().copied().max().unwrap_or(0);
+    let rounds = plans.first().map_or(0, |p| p.rounds.len());
+    let once = (0..rounds)
+        .map(|k| {
+            let read = plans
+                .iter()
+                .map(|p| p.rounds[k].read_len())
+                .max()
+                .unwrap_or(0);
+            let moved = plans
+                .iter()
+                .map(|p| total(&p.rounds[k].sends).max(total(&p.rounds[k].recvs)))
+                .max()
+                .unwrap_or(0);
+            per_s(read, rates.storage) + per_s(moved, rates.exchange) + rates.round
+        })
+        .sum();
+    Prediction {
+        direct: per_s(slowest, rates.storage),
+        once,
+    }
+}
+
 /// Plans a cooperative load of `m` for ranks whose needs are `needs` (one list per rank), in
 /// rounds where no rank reads, sends and receives more than `budget` bytes together (a single
 /// block over the budget makes a round of its own).

@@ -25,6 +25,11 @@ pub fn set_read_pace(bytes_per_s: u64) {
     RATE.store(bytes_per_s, Ordering::Relaxed);
 }
 
+/// The cap set by [`set_read_pace`] in bytes per second (0: none).
+pub fn read_pace() -> u64 {
+    RATE.load(Ordering::Relaxed)
+}
+
 /// Waits as long as `n` more bytes take at the capped rate, behind the bytes already read.
 pub fn pace_read(n: u64) {
     let rate = RATE.load(Ordering::Relaxed);

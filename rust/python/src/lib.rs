@@ -14,8 +14,8 @@ use pyo3::types::PyTuple;
 
 mod records;
 use records::{
-    region_py, PyBox, PyFlat, PyOverlap, PyPiece, PyRoundBytes, PyRun, PyTarget, PyWriteItem,
-    RegionArg,
+    region_py, PyBox, PyFlat, PyOverlap, PyPiece, PyRates, PyReadChoice, PyRoundBytes, PyRun,
+    PyTarget, PyWriteItem, RegionArg,
 };
 
 /// Maps a core error onto the Python exception hierarchy in `olmo_chunks.errors`.
@@ -541,34 +541,47 @@ impl PyReadOnce {
 }
 
 /// Plans a cooperative load from every rank's `ReadOnce.needs()` (in rank order): one plan per
-/// rank, in rounds within `budget` bytes per rank. `None` when no saved block is needed by more
-/// than one rank (each rank then reads its own) unless `force`.
+/// rank, in rounds within `budget` bytes per rank. With `rates`, also predicts the seconds of the
+/// load read directly and read once (`core::coop::predict`), and plans only if reading once is
+/// predicted faster. No plan (each rank reads its own) when no saved block is needed by more than
+/// one rank, unless `force`.
 #[pyfunction]
-#[pyo3(signature = (manifest, needs, budget, force=false))]
+#[pyo3(signature = (manifest, needs, budget, force=false, rates=None))]
 fn plan_read_once(
     py: Python<'_>,
     manifest: &PyManifest,
     needs: Vec<Vec<u8>>,
     budget: u64,
     force: bool,
-) -> PyResult<Option<Vec<Py<pyo3::types::PyBytes>>>> {
+    rates: Option<PyRef<'_, PyRates>>,
+) -> PyResult<PyReadChoice> {
     let m = manifest.inner.clone();
-    let plans = detach(py, move || {
+    let rates = rates.map(|r| r.inner());
+    let (plans, predicted) = detach(py, move || {
         let needs = needs
             .iter()
             .map(|b| core::coop::decode_needs(b))
             .collect::<core::Result<Vec<_>>>()?;
-        if !force && !core::coop::shared(&needs) {
-            return Ok(None);
+        let shared = core::coop::shared(&needs);
+        if !force && !shared && rates.is_none() {
+            return Ok((None, None));
         }
         let plans = core::coop::plan(&m, &needs, budget)?;
-        Ok(Some(plans.iter().map(|p| p.encode()).collect::<Vec<_>>()))
+        let predicted =
+            rates.map(|r| core::coop::predict(&core::coop::direct_bytes(&m, &needs), &plans, &r));
+        let once = force || (shared && predicted.is_none_or(|p| p.once < p.direct));
+        let plans = once.then(|| plans.iter().map(|p| p.encode()).collect::<Vec<_>>());
+        Ok((plans, predicted))
     })?;
-    Ok(plans.map(|ps| {
-        ps.iter()
-            .map(|p| pyo3::types::PyBytes::new(py, p).unbind())
-            .collect()
-    }))
+    Ok(PyReadChoice {
+        plans: plans.map(|ps| {
+            ps.iter()
+                .map(|p| pyo3::types::PyBytes::new(py, p).unbind())
+                .collect()
+        }),
+        direct_s: predicted.map(|p| p.direct),
+        once_s: predicted.map(|p| p.once),
+    })
 }
 
 /// Caps this process's storage reads at `bytes_per_s` (0 lifts it) for the checkpoints opened
@@ -577,6 +590,12 @@ fn plan_read_once(
 #[pyfunction]
 fn set_read_pace(bytes_per_s: u64) {
     core::pace::set_read_pace(bytes_per_s)
+}
+
+/// The cap of `set_read_pace` in bytes per second (0: none).
+#[pyfunction]
+fn read_pace() -> u64 {
+    core::pace::read_pace()
 }
 
 /// Waits as long as reading `n` bytes takes under the cap of `set_read_pace`.
@@ -1364,6 +1383,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOverlap>()?;
     m.add_class::<PyRoundBytes>()?;
     m.add_class::<PyWriteItem>()?;
+    m.add_class::<PyRates>()?;
+    m.add_class::<PyReadChoice>()?;
     m.add_function(wrap_pyfunction!(flat_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(box_runs, m)?)?;
     m.add_function(wrap_pyfunction!(box_overlaps, m)?)?;
@@ -1378,6 +1399,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open_beneath, m)?)?;
     m.add_function(wrap_pyfunction!(set_read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(pace_read, m)?)?;
+    m.add_function(wrap_pyfunction!(read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(object_store_counters, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;

@@ -330,3 +330,55 @@ impl PyWriteItem {
         region_py(py, &self.region)
     }
 }
+
+/// What a load's time is predicted from (`core::coop::Rates`): bytes per second one rank reads
+/// from storage and moves in an all-to-all, and the fixed seconds of a read-once round.
+#[pyclass(name = "Rates", module = "olmo_chunks._core", frozen, get_all)]
+pub struct PyRates {
+    pub storage: f64,
+    pub exchange: f64,
+    pub round: f64,
+}
+
+#[pymethods]
+impl PyRates {
+    #[new]
+    fn new(storage: f64, exchange: f64, round: f64) -> PyResult<Self> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !(positive(storage) && positive(exchange) && round.is_finite() && round >= 0.0) {
+            return Err(bad(format!(
+                "rates must be positive and finite, got storage {storage}, exchange {exchange}, round {round}"
+            )));
+        }
+        Ok(PyRates {
+            storage,
+            exchange,
+            round,
+        })
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Rates(storage={}, exchange={}, round={})",
+            self.storage, self.exchange, self.round
+        )
+    }
+}
+
+impl PyRates {
+    pub fn inner(&self) -> olmo_chunks_core::coop::Rates {
+        olmo_chunks_core::coop::Rates {
+            storage: self.storage,
+            exchange: self.exchange,
+            round: self.round,
+        }
+    }
+}
+
+/// `plan_read_once`'s answer: the ranks' plans, or `None` when each rank reads its own, and the
+/// predicted seconds of reading directly and once (`None` without rates).
+#[pyclass(name = "ReadChoice", module = "olmo_chunks._core", frozen, get_all)]
+pub struct PyReadChoice {
+    pub plans: Option<Vec<Py<pyo3::types::PyBytes>>>,
+    pub direct_s: Option<f64>,
+    pub once_s: Option<f64>,
+}

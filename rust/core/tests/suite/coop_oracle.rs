@@ -129,6 +129,31 @@ proptest! {
             prop_assert_eq!(received, needed);
         }
 
+        // The cost model's inputs against a brute-force count: a direct load reads each block a
+        // rank needs, whole; reading once reads each needed block once in all.
+        let block_len = |(c, b): (u64, u64)| (m.chunks[c as usize].len - b * block).min(block);
+        let direct: Vec<u64> = needs.iter().map(|list| {
+            list.iter().map(|n| (n.span.chunk, n.block)).collect::<BTreeSet<_>>().into_iter().map(block_len).sum()
+        }).collect();
+        prop_assert_eq!(&coop::direct_bytes(&m, &needs), &direct);
+        let once_reads: u64 = plans.iter().flat_map(|p| &p.rounds).map(|k| k.read_len()).sum();
+        prop_assert_eq!(once_reads, wanted.keys().copied().map(block_len).sum::<u64>());
+        prop_assert!(once_reads <= direct.iter().sum::<u64>());
+        let rates = coop::Rates { storage: 1e3, exchange: 4e3, round: 0.5 };
+        let mut once_s = 0.0;
+        for k in 0..rounds {
+            let mut read: f64 = 0.0;
+            let mut moved: f64 = 0.0;
+            for p in &plans {
+                let bytes = |peers: &[(u32, Vec<coop::Span>)]| peers.iter().flat_map(|x| &x.1).map(|s| s.bytes()).sum::<u64>();
+                read = read.max(p.rounds[k].read_len() as f64);
+                moved = moved.max(bytes(&p.rounds[k].sends).max(bytes(&p.rounds[k].recvs)) as f64);
+            }
+            once_s += read / 1e3 + moved / 4e3 + 0.5;
+        }
+        let got = coop::predict(&direct, &plans, &rates);
+        prop_assert!((got.once - once_s).abs() < 1e-9 && (got.direct - *direct.iter().max().unwrap() as f64 / 1e3).abs() < 1e-9);
+
         // Run the rounds with an in-process all-to-all.
         let storage = LocalFs::new(dir.path());
         let mut bufs: Vec<Vec<Vec<u8>>> = ranks.iter().map(|r| r.lens.iter().map(|&n| vec![0xA5; n]).collect()).collect();

@@ -1,0 +1,86 @@
+"""The measured rates `read="auto"` chooses a load's read strategy from.
+
+A load can read directly (every rank reads the blocks it needs) or read once (each needed block
+read by one rank and handed to the others, in rounds). Which is faster depends on three rates,
+all measured on the job's own machines (the model itself is `_core.plan_read_once`'s, see
+`docs/READ_MODEL.md`):
+
+- **storage**: bytes per second one rank reads from the checkpoint's storage, checksums verified,
+  with the other ranks reading too. `OLMO_CHUNKS_STORAGE_GBPS` sets it; otherwise it is learned
+  from this process's own loads of that storage (an average over the last loads, weighted to the
+  recent ones); before the first load it is the benchmark's pace cap where one is set, else a
+  prior for the kind of storage (`PRIORS`).
+- **exchange**: bytes per second one rank moves in an all-to-all of the group, measured once per
+  group and device by two timed all-to-alls (a tiny one, and one of `PROBE_BYTES` per rank) and
+  cached; rank 0's figures speak for the group.
+- **round**: the fixed seconds of a read-once round: the tiny all-to-all's time plus one agreement.
+
+The choice is made on rank 0, which holds every rank's needs; it is sent to every rank with the
+plans, so all ranks take the same path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from . import _core
+from .location import is_url
+
+__all__ = ["PRIORS", "PROBE_BYTES", "ExchangeRates", "learn_storage", "storage_rate"]
+
+# Bytes per second per rank assumed for a storage this process has not read yet: a node's own
+# disk or page cache, or an object store through one client.
+PRIORS = {"file": 2e9, "object": 2e8}
+# Bytes each rank sends in the exchange probe (spread over its peers).
+PROBE_BYTES = 8 << 20
+# Weight of the newest load in the learned storage rate.
+_WEIGHT = 0.5
+
+_learned: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class ExchangeRates:
+    """A group's measured exchange: bytes per second per rank, and the fixed seconds of a round."""
+
+    bps: float
+    round_s: float
+
+
+def _key(source: str) -> str:
+    """What storage `source` (a checkpoint's location) is, for the learned rates: its bucket, or
+    the local filesystem it lies on; and the pace cap, which changes the rate."""
+    pace = f"@{_core.read_pace()}" if _core.read_pace() else ""
+    if is_url(source):
+        scheme, _, rest = source.partition("://")
+        return f"{scheme}://{rest.split('/', 1)[0]}{pace}"
+    try:
+        return f"file:{os.stat(source).st_dev}{pace}"
+    except OSError:
+        return f"file:?{pace}"
+
+
+def storage_rate(source: str) -> tuple[float, str]:
+    """Bytes per second one rank reads from `source`'s storage, and where the figure comes from
+    ("env", "learned", "pace" or "prior")."""
+    env = os.environ.get("OLMO_CHUNKS_STORAGE_GBPS")
+    if env:
+        return float(env) * 1e9, "env"
+    learned = _learned.get(_key(source))
+    if learned is not None:
+        return learned, "learned"
+    if _core.read_pace():
+        return float(_core.read_pace()), "pace"
+    return PRIORS["object" if is_url(source) else "file"], "prior"
+
+
+def learn_storage(source: str, nbytes: int, seconds: float) -> None:
+    """Records that this rank read `nbytes` of `source`'s storage in `seconds` (small reads, whose
+    time is mostly latency, are not counted)."""
+    if nbytes < (1 << 20) or seconds <= 0:
+        return
+    key, rate = _key(source), nbytes / seconds
+    old = _learned.get(key)
+    _learned[key] = rate if old is None else _WEIGHT * rate + (1 - _WEIGHT) * old
+
