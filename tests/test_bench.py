@@ -46,7 +46,8 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     assert {(r["where"], r["method"]) for r in res["stage"]} == {
         (w, m) for w in saved for m in ("native", "dcp", "raw")}
     assert {(r["where"], r["method"]) for r in res["load"]} == {
-        (name, m) for name, _, _ in bench.PAIRS for m in contenders | {"raw", "native-noverify", "native-once", "native-direct"}}
+        (name, m) for name, _, _ in bench.PAIRS
+        for m in contenders | {"raw", "native-noverify", "native-once", "native-direct"}}
     for name, _, _ in bench.PAIRS:
         read = {r["method"]: r["read_x"] for r in res["load"] if r["where"] == name}
         assert read["raw"] == 1.0  # the loading ranks' shares of the raw files, once
@@ -80,7 +81,8 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     assert "olmo_chunks async_save" in table and "DCP async_save" in table
     for label in ("olmo_chunks native", "olmo_chunks native, verify=False", "olmo_chunks via DCP",
                   "DCP FileSystemWriter t=2", "DCP FileSystemReader", "roofline: raw read", "roofline: raw write+fsync",
-                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s", "read=direct", "read=once", "read=auto", "chose ", "of the better mode", "read x",
+                  "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s",
+                  "read=direct", "read=once", "read=auto", "chose ", "of the better mode", "read x",
                   "olmo_chunks native (read=auto) @url", "requests "):
         assert label in table
     assert json.loads(json.dumps(res)) == res
