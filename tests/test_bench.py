@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -96,6 +97,39 @@ def _bench_script(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _resident(path: Path) -> float:
+    """The share of `path`'s pages in the page cache (mincore over a private mapping)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        buf = (ctypes.c_char * size).from_buffer(mm)
+        vec = (ctypes.c_ubyte * -(-size // page))()
+        try:
+            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) == 0
+        finally:
+            del buf
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+def test_cold_loads_drop_the_checkpoint_from_the_page_cache(tmp_path: Path) -> None:
+    data = tmp_path / "ckpt" / "data"
+    data.mkdir(parents=True)
+    files = [data / f"rank-{i}.bin" for i in range(2)]
+    for f in files:
+        f.write_bytes(bytes(range(256)) * (16 << 10))  # 4 MiB
+    bench._warm([str(tmp_path / "ckpt")], 0, 1)
+    assert all(_resident(f) == 1.0 for f in files)
+    if bench.machine_info(str(tmp_path))["disk"].split("\n")[-1].startswith("tmpfs"):
+        pytest.skip("tmpfs keeps its pages")
+    os.sync()  # dirty pages are not dropped; a save's files are fsynced
+    bench._drop([str(tmp_path / "ckpt")], 0, 1)
+    assert all(_resident(f) < 0.1 for f in files), [_resident(f) for f in files]
 
 
 def test_plan_scale_small_grid(capsys: pytest.CaptureFixture[str]) -> None:

@@ -64,15 +64,15 @@ def test_a_late_or_gil_bound_rank_is_never_declared_dead(tmp_path, how):
 def _stop_in_exchange(rank: int, path: str, victim: int, sig: int) -> tuple[str, float]:
     from olmo_chunks import fill
 
-    orig = fill._Exchange.run
+    orig = fill._Exchange.start
 
-    def run(self: Any) -> torch.Tensor:
+    def start(self: Any) -> None:
         if rank == victim:
             Path(f"{path}.died").write_text(str(time.time()))
             os.kill(os.getpid(), sig)
-        return orig(self)
+        orig(self)
 
-    fill._Exchange.run = run  # type: ignore[method-assign]
+    fill._Exchange.start = start  # type: ignore[method-assign]
     sd = _zeros(rank, 2)
     olmo_chunks.load(sd, path, peer_timeout=PEER_TIMEOUT, read="once")
     return "loaded", time.time()

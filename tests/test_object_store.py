@@ -81,6 +81,34 @@ def test_multipart_objects_round_trip_bit_exact_and_count_their_requests(s3, buc
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["step"] == 1
 
 
+def _load_requests(url: str, state: dict) -> int:
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    before = _core.object_store_counters(url)[2]
+    olmo_chunks.load(back, url)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    return _core.object_store_counters(url)[2] - before
+
+
+def test_ranged_reads_of_one_object_are_merged_into_few_requests(s3, bucket, monkeypatch):
+    # 300 tensors of 16 KB in one data object: one ranged GET each, unmerged.
+    url = f"s3://{bucket}/many"
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i:03d}": torch.randn(4096, generator=g) for i in range(300)}
+    olmo_chunks.save(sd, url)
+    needed = sum(v.numel() * 4 for v in sd.values())
+    (data,) = _core.Manifest.open(url).files
+    whole = _load_requests(url, sd)  # the manifest, then the data object in one request of <= 32 MiB
+    monkeypatch.setenv("OLMO_CHUNKS_REQUEST_MIB", "1")
+    small = _load_requests(url, sd)
+    print(f"\n300 tensors, {needed / 1e6:.1f} MB in one object: {whole} requests per load "
+          f"(32 MiB requests), {small} (1 MiB requests); unmerged at least 301")
+    assert whole <= 1 + 2
+    assert small <= 1 + -(-data.size // (1 << 20)) + 2
+    monkeypatch.setenv("OLMO_CHUNKS_REQUEST_MIB", "0")
+    with pytest.raises(InvalidArgumentError, match="OLMO_CHUNKS_REQUEST_MIB"):
+        olmo_chunks.load({k: torch.zeros_like(v) for k, v in sd.items()}, url)
+
+
 def test_async_save_to_a_url(s3, bucket):
     url = f"s3://{bucket}/async"
     olmo_chunks.async_save(_state(5, 100_000), url, pool_bytes=64 << 10).result()  # staged in batches
@@ -310,6 +338,7 @@ def test_each_server_fault_is_retried_or_fails_clearly_never_with_wrong_bytes(s3
     proxy = FaultProxy(s3.port, fault, method, count)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "20")
+    monkeypatch.setenv("OLMO_CHUNKS_REQUEST_MIB", "4")  # merged reads of at most 4 MiB
     url = f"s3://{bucket}/faults"
     sd = _state(4, 3_000_000)  # 12 MB: a multipart upload, several ranged GETs
     t0 = time.monotonic()

@@ -168,6 +168,58 @@ def test_rounds_stay_within_the_staging_budget(saved):
         assert 0 < peak <= budget
 
 
+def _agreements_of_a_load(path: str, budget: int) -> tuple[int, int, bool, int]:
+    """(rounds, store agreements the load made, exact, bytes held at once) of a read-once load."""
+    from olmo_chunks._dist import Group
+
+    calls = 0
+    original = Group.exchange
+
+    def counted(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(self, *args, **kwargs)
+
+    Group.exchange = counted
+    try:
+        _, exact, (_, rounds, peak) = load_as(path, "R", "once", budget)
+    finally:
+        Group.exchange = original
+    return rounds, calls, exact, peak
+
+
+def test_rounds_are_pipelined_without_an_agreement_each(saved):
+    # The same load in 1 round and in many: the store agreements do not grow with the rounds
+    # (ranks stop together on a one-flag all-reduce instead), and two rounds in flight at once
+    # still hold at most the budget.
+    one = world.run(4, _agreements_of_a_load, saved["S0"], 64 << 20)
+    many = world.run(4, _agreements_of_a_load, saved["S0"], 6 << 20)
+    assert all(exact for _, _, exact, _ in one + many)
+    assert {r for r, *_ in one} == {1} and min(r for r, *_ in many) >= 5
+    assert {c for _, c, _, _ in many} == {c for _, c, _, _ in one}
+    assert all(0 < peak <= 6 << 20 for *_, peak in many)
+
+
+def test_a_corrupt_block_read_ahead_in_a_later_round_fails_every_rank(saved, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "corrupt-late")
+    shutil.copytree(saved["S0"], path)
+    m = _core.Manifest.open(path)
+    last = m.chunks(1)[-1]  # tensor "b"'s last chunk: read in the last rounds
+    info = m.files[last.file]
+    with open(f"{path}/{info.path}", "r+b") as f:
+        f.seek(last.offset + last.nbytes - 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(world.WorldError) as err:
+        world.run(4, load_as, path, "R", "once", 6 << 20)
+    kinds = [f.type_name for f in err.value.failures]
+    assert len(kinds) == 4 and kinds.count(ChecksumError.__name__) == 1, kinds
+    assert set(kinds) == {ChecksumError.__name__, RankFailedError.__name__}
+
+
 def test_one_rank_alone_reads_directly_unless_told(saved, monkeypatch):
     state = {k: torch.zeros(ROWS, COLS) for k in KEYS}
     assert olmo_chunks.load(state, saved["R"]).read == "direct"

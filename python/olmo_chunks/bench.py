@@ -14,7 +14,8 @@ in layout B, for several pairs, through every contender on the same data:
 - the roofline: one file per saving rank written and fsynced in parallel (raw write), and the same
   bytes read back from the page cache into preallocated memory by the loading ranks (raw read).
 
-Loads read a checkpoint written moments before (warm page cache) for every contender alike. Every
+Loads read a checkpoint whose files were read once just before (warm page cache), or with
+`--cold` dropped from the page cache just before, for every contender alike. Every
 load is checked bit-exact on the first repetition, and counts the bytes it read from storage (all
 ranks together, over the checkpoint's bytes: `read x`). `--storage-gbps` models slower shared
 storage: each of the M loading ranks may read at most 1/M of that bandwidth (every contender's
@@ -368,15 +369,31 @@ def _counted_reader(path: str) -> Any:
     return reader
 
 
+def _files(paths: list[str], rank: int, ranks: int) -> list[str]:
+    """This loading rank's share of the files under `paths`."""
+    return sorted(os.path.join(d, f) for p in paths for d, _, fs in os.walk(p) for f in fs)[rank::ranks]
+
+
 def _warm(paths: list[str], rank: int, ranks: int) -> None:
     """Reads every file under `paths` once (files split across the `ranks` loading ranks), so the
     timed load that follows finds all of them in the page cache, whatever ran before."""
-    files = sorted(os.path.join(d, f) for p in paths for d, _, fs in os.walk(p) for f in fs)
     buf = bytearray(16 << 20)
-    for f in files[rank::ranks]:
+    for f in _files(paths, rank, ranks):
         with open(f, "rb", buffering=0) as fh:
             while fh.readinto(buf):
                 pass
+
+
+def _drop(paths: list[str], rank: int, ranks: int) -> None:
+    """Asks the kernel to drop every file under `paths` from the page cache (files split across the
+    `ranks` loading ranks): `posix_fadvise(DONTNEED)`, which drops clean pages of files on disk
+    (the saves fsynced them) and is a no-op where pages cannot be dropped (tmpfs)."""
+    for f in _files(paths, rank, ranks):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _share(total: int, parts: int, i: int) -> tuple[int, int]:
@@ -398,6 +415,7 @@ class Options:
     threads: tuple[int, ...] = ()  # FileSystemWriter thread counts (default: 1 and the core count)
     storage_gbps: float = 0.0  # shared storage bandwidth of loads (0: unbounded)
     url: str | None = None  # an object-store location measured besides the local disk
+    cold: bool = False  # drop the checkpoint's pages from the page cache before each load
 
 
 def _dcp_thread_counts(opts: Options) -> tuple[int, ...]:
@@ -603,7 +621,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                         for t in dst.locals.values():
                             t.zero_()
                         src_path = os.path.join(root, "raw") if method == "raw" else paths[_base(method)]
-                        _warm([src_path], rank, b.ranks)
+                        (_drop if opts.cold else _warm)([src_path], rank, b.ranks)
                     dist.barrier()
                     _core.set_read_pace(int(opts.storage_gbps * 1e9 / b.ranks) if dst is not None else 0)
                     before, sent = _storage_reads(), _requests(opts.url)
@@ -682,7 +700,8 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
         "storage_gbps": opts.storage_gbps or None,
         "url": opts.url,
         "dcp_writer_threads": list(dcp_threads),
-        "page_cache": "warm (loads read data written moments before; caches are not dropped)",
+        "page_cache": ("cold (each load's files dropped from the page cache before it)" if opts.cold
+                       else "warm (each load's files read once before it)"),
         "pairs": [{"name": n, "save": asdict(a) | {"label": a.label}, "load": asdict(b) | {"label": b.label}}
                   for n, a, b in PAIRS],
         "save": rows["save"],
@@ -751,7 +770,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"olmo-chunks bench: {gib:.2f} GiB state ({res['tensors']} FP32 tensors, hidden {res['hidden']}, "
         f"{res['experts']} experts), best of {res['reps']}, {res['machine']['nproc']} cores; "
         f"GB/s = state bytes / wall time (slowest rank)",
-        "loads: warm page cache (the same for every reader)"
+        f"loads: {res['page_cache'].split(' ')[0]} page cache (the same for every reader)"
         + (f", storage capped at {res['storage_gbps']:g} GB/s shared by the loading ranks"
            if res.get("storage_gbps") else "")
         + "; read x = bytes read from storage by all ranks / checkpoint bytes; RSS MiB = peak extra RSS "
@@ -840,6 +859,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcp-threads", type=int, nargs="*", default=None,
                    help="FileSystemWriter thread counts (default: 1 and the core count)")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of every load")
+    p.add_argument("--cold", action="store_true",
+                   help="drop the checkpoint's files from the page cache before each load (default: warm them)")
     p.add_argument("--storage-gbps", type=float, default=0.0,
                    help="cap loads' storage reads at this many GB/s shared by the loading ranks (default: none)")
 
@@ -857,6 +878,7 @@ def main(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         threads=tuple(args.dcp_threads or ()),
         storage_gbps=args.storage_gbps,
+        cold=args.cold,
     )
     res = run(opts)
     print(format_table(res))

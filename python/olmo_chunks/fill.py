@@ -10,7 +10,8 @@ checked: the checkpoint must hold the same bytes for both keys.
 Across the ranks of a job (`read="once"`), a saved block that several ranks need is read from
 storage by one of them and handed to the others with torch collectives (`all_to_all` on gloo for
 CPU, on NCCL for CUDA destinations): the core plans which rank reads what (`ReadOnce`,
-`plan_read_once`), in rounds in which no rank reads, sends and receives more than `STAGING_BYTES`.
+`plan_read_once`), in rounds in which no rank reads, sends and receives more than half of
+`STAGING_BYTES`; the next round is read while one is exchanged.
 When no block is needed by two ranks, every rank reads its own, as with `read="direct"`. With
 `read="auto"` (the default) the core predicts both strategies' time from measured rates
 (`olmo_chunks.rates`) and the load takes the faster.
@@ -18,12 +19,12 @@ When no block is needed by two ranks, every rank reads its own, as with `read="d
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ READ_MODES = ("auto", "once", "direct")
 # Host memory used at a time to stage destinations the core cannot fill in place.
 STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
 
+T = TypeVar("T")
+
 @dataclass
 class Fill:
     """One destination: `dest` receives the elements of manifest tensor `tensor` that `pieces(buf)`
@@ -55,9 +58,10 @@ class Fill:
 
 @dataclass
 class ReadOutcome:
-    """How a load's bytes came: `read` "once" (with its rounds, and the most bytes this rank read,
-    sent and received in one) or "direct"; with `read="auto"`, the predicted seconds of both
-    strategies and the rates they came from (`why`); and the seconds the reads took."""
+    """How a load's bytes came: `read` "once" (with its rounds, and the most bytes this rank held
+    for them at once: read, sent and received, two rounds overlapping) or "direct"; with
+    `read="auto"`, the predicted seconds of both strategies and the rates they came from (`why`);
+    and the seconds the reads took."""
 
     read: str = "direct"
     rounds: int = 0
@@ -268,7 +272,8 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
             model = _core.Rates(storage, measured.bps, measured.round_s)
             why = (f"storage {storage / 1e9:.2f} GB/s ({origin}), exchange {measured.bps / 1e9:.2f} GB/s "
                    f"on {device}, {measured.round_s * 1e3:.1f} ms per round")
-        choice = _core.plan_read_once(manifest, gathered, STAGING_BYTES, force, model)
+        # Rounds of half the budget: two of them overlap (`_CooperativeLoad.run`).
+        choice = _core.plan_read_once(manifest, gathered, STAGING_BYTES // 2, force, model)
         plans = choice.plans
         return "once" if plans is not None else "direct", choice.direct_s, choice.once_s, why
 
@@ -286,8 +291,9 @@ _EXCHANGE: dict[tuple[int, str], rates.ExchangeRates] = {}
 
 
 def _measure_exchange(group: Group, device: str) -> rates.ExchangeRates:
-    """Times a tiny all-to-all and one of `rates.PROBE_BYTES` per rank on `device` (collective),
-    and one agreement of the group."""
+    """Times a tiny all-to-all and one of `rates.PROBE_BYTES` per rank on `device` (collective).
+    A round costs, besides its bytes, about two tiny collectives: its all-to-all's latency and the
+    one-flag all-reduce before it."""
     per_peer = max(1, rates.PROBE_BYTES // group.size)
 
     def all_to_all(n: int) -> float:
@@ -302,11 +308,9 @@ def _measure_exchange(group: Group, device: str) -> rates.ExchangeRates:
         all_to_all(1)  # connections set up
         return all_to_all(1), all_to_all(per_peer)
 
-    t0 = time.perf_counter()
     small, big = group.agree(probe)
-    agreement = max(0.0, time.perf_counter() - t0 - small - big)
     moved = per_peer * (group.size - 1)
-    return rates.ExchangeRates(moved / max(big - small, 1e-6), small + agreement)
+    return rates.ExchangeRates(moved / max(big - small, 1e-6), 2 * small)
 
 
 class _CooperativeLoad:
@@ -341,9 +345,12 @@ class _CooperativeLoad:
         return self.ro.needs(), self.pin
 
     def run(self, plan: bytes, device: str) -> tuple[int, int]:
-        """Every round of `plan`, each one agreed by every rank: exchange, copies into place, then
-        the next round's reads (so a failure reaches every rank before the next collective).
-        Returns the rounds, and the most bytes this rank read, sent and received in one."""
+        """Every round of `plan`. Round k+1's blocks are read (on a helper thread) while round k is
+        exchanged and copied into place, whenever both rounds' buffers fit in `STAGING_BYTES`
+        together (the plan's rounds take at most half of it each). The ranks stay in lockstep
+        whatever fails on one of them: before each exchange, and after the last, they all-reduce
+        whether any has failed and stop together; one agreement then says what failed (none when
+        nothing did). Returns the rounds and the most bytes this rank held for them at once."""
         ro = self.ro
         ro.start(plan)
         self.device = device
@@ -356,35 +363,84 @@ class _CooperativeLoad:
         self.buffers = self.storages + [(0, 0)] * len(self.fill_of)
         self.stages: dict[int, torch.Tensor] = {}
         self.copied = 0
-        if ro.rounds:
-            self.group.agree(functools.partial(self._read, 0))
-        for k in range(ro.rounds):
-            self.group.agree(functools.partial(self._step, k))
+        self.failure: BaseException | None = None
+        held, stopped = 0, False
+        with ThreadPoolExecutor(1, thread_name_prefix="olmo-chunks-read") as pool:
+            nxt = self._attempt(self._read, 0) if ro.rounds else None
+            for k in range(ro.rounds):
+                cur, nxt = nxt, None
+                exchange = self._attempt(lambda c: _Exchange(self.group, device, c.send, c.sizes), cur)
+                if self._any_failed():
+                    stopped = True
+                    break
+                assert cur is not None and exchange is not None
+                exchange.start()
+                ahead = k + 1 < ro.rounds and cur.sizes.total + _outgoing(ro.round_bytes(k + 1)) <= STAGING_BYTES
+                pending = pool.submit(self._attempt, self._read, k + 1) if ahead else None
+                try:
+                    recv = exchange.finish()
+                finally:
+                    if pending is not None:
+                        nxt = pending.result()
+                self._attempt(self._fill, k, cur, recv)
+                held = max(held, cur.sizes.total + (_outgoing(ro.round_bytes(k + 1)) if ahead else 0))
+                if k + 1 < ro.rounds and not ahead:
+                    nxt = self._attempt(self._read, k + 1)
+        if not stopped:
+            if self.failure is None and self.copied != ro.total:
+                self.failure = OlmoChunksError(
+                    f"internal error: a cooperative load copied {self.copied} of {ro.total} bytes")
+            stopped = self._any_failed()
+        if stopped:
+            self.group.agree(self._raise_failure)
         rates.learn_storage(self.source, self.read_bytes, self.read_s)
-        return ro.rounds, max((ro.round_bytes(k).total for k in range(ro.rounds)), default=0)
+        return ro.rounds, held
 
-    def _read(self, k: int) -> None:
-        """Allocates the stages round `k` starts, reads its blocks and packs what peers need."""
+    def _attempt(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)`, unless an earlier step failed; a failure is kept for the end of the load
+        (the ranks must stay in lockstep until they stop together)."""
+        if self.failure is not None:
+            return None
+        try:
+            return fn(*args)
+        except BaseException as exc:  # also KeyboardInterrupt: the others learn of it at the next step
+            self.failure = exc
+            return None
+
+    def _any_failed(self) -> bool:
+        """Whether this rank or another has failed (collective: a MAX all-reduce of one flag)."""
+        if self.group.size == 1:
+            return self.failure is not None
+        flag = torch.tensor([int(self.failure is not None)], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.pg, async_op=True)
+        self.group.wait_work(work, "a read-once round", cuda=flag.is_cuda)
+        return bool(flag.item())
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _read(self, k: int) -> _Round:
+        """Round `k`'s buffers (with the stages it starts), its blocks read and what peers need of
+        them packed. The stages are allocated here, on the calling thread, before the reads."""
         for i in self.first.get(k, []):
             if i in self.fill_of:
                 f = self.fill_of[i]
                 self.stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=self.pin)
                 self.buffers[i] = (self.stages[i].data_ptr(), self.lens[i])
         sizes = self.ro.round_bytes(k)
-        self.read_buf = torch.empty(sizes.read, dtype=torch.uint8, pin_memory=self.pin)
+        read = torch.empty(sizes.read, dtype=torch.uint8, pin_memory=self.pin)
         send = torch.empty(sum(sizes.sends.values()), dtype=torch.uint8, pin_memory=self.pin)
         t0 = time.perf_counter()
-        self.ro.read(k, _addr(self.read_buf), _addr(send), self.verify, self.workers)
+        self.ro.read(k, _addr(read), _addr(send), self.verify, self.workers)
         self.read_s += time.perf_counter() - t0
         self.read_bytes += sizes.read
-        # Everything the exchange needs is allocated here, where a failure still reaches every
-        # rank before any of them enters the collective.
-        self.exchange = _Exchange(self.group, self.device, send, sizes)
+        return _Round(sizes, read, send)
 
-    def _step(self, k: int) -> None:
-        """Round `k`'s exchange and copies into place, then round `k + 1`'s reads."""
-        recv = self.exchange.run()
-        self.copied += self.ro.fill(k, _addr(self.read_buf), _addr(recv), self.buffers, self.workers)
+    def _fill(self, k: int, cur: _Round, recv: torch.Tensor) -> None:
+        """Round `k`'s copies into place from what it read and received; the stages it ends are
+        copied into their destinations (or checked against the tensor they are tied to)."""
+        self.copied += self.ro.fill(k, _addr(cur.read), _addr(recv), self.buffers, self.workers)
         done = [i for i in self.last.get(k, []) if i in self.stages]
         into = [i for i in done if id(self.fill_of[i]) not in self.tied_to]
         _copy_into_place([self.fill_of[i] for i in into], [self.stages[i] for i in into])
@@ -393,10 +449,20 @@ class _CooperativeLoad:
         for i in done:
             del self.stages[i]
             self.buffers[i] = (0, 0)
-        if k + 1 < self.ro.rounds:
-            self._read(k + 1)
-        elif self.copied != self.ro.total:
-            raise OlmoChunksError(f"internal error: a cooperative load copied {self.copied} of {self.ro.total} bytes")
+
+
+@dataclass
+class _Round:
+    """One round's bytes on this rank: what it read, and what it sends (packed for its peers)."""
+
+    sizes: _core.RoundBytes
+    read: torch.Tensor
+    send: torch.Tensor
+
+
+def _outgoing(sizes: _core.RoundBytes) -> int:
+    """Bytes a round holds before its exchange: what it read and what it sends."""
+    return sizes.read + sum(sizes.sends.values())
 
 
 def _addr(t: torch.Tensor) -> tuple[int, int]:
@@ -426,12 +492,17 @@ class _Exchange:
         self.recv = torch.empty(sum(self.outs), dtype=torch.uint8, device=device)
         self.host = None if device == "cpu" else torch.empty(self.recv.numel(), dtype=torch.uint8, pin_memory=True)
 
-    def run(self) -> torch.Tensor:
-        """The received bytes, in CPU memory."""
+    def start(self) -> None:
+        """Starts the all-to-all (asynchronous)."""
+        self.work = None
         if self.group.size > 1:
-            work = dist.all_to_all_single(self.recv, self.send, self.outs, self.ins, group=self.group.pg,
-                                          async_op=True)
-            self.group.wait_work(work, "a read-once exchange", cuda=self.recv.is_cuda)
+            self.work = dist.all_to_all_single(self.recv, self.send, self.outs, self.ins, group=self.group.pg,
+                                               async_op=True)
+
+    def finish(self) -> torch.Tensor:
+        """Waits for the all-to-all; the received bytes, in CPU memory."""
+        if self.work is not None:
+            self.group.wait_work(self.work, "a read-once exchange", cuda=self.recv.is_cuda)
         if self.host is None:
             return self.recv
         self.host.copy_(self.recv)

@@ -91,7 +91,7 @@ pub fn encode_blocks(data: &[u8], block_size: u64, shuffle: u8, level: i32) -> E
     for raw in data.chunks(block_size as usize) {
         let stored = encode_block(raw, shuffle, level, &mut tmp);
         e.block_lens.push(stored.len() as u32);
-        e.checksums.push(crc32c::crc32c(&stored));
+        e.checksums.push(crate::checksum::crc32c(&stored));
         e.bytes.extend_from_slice(&stored);
     }
     e
@@ -183,7 +183,7 @@ mod tests {
         for (k, &len) in e.block_lens.iter().enumerate() {
             let end = ((k + 1) * bs).min(raw_len);
             let stored = &e.bytes[pos..pos + len as usize];
-            assert_eq!(crc32c::crc32c(stored), e.checksums[k]);
+            assert_eq!(crate::checksum::crc32c(stored), e.checksums[k]);
             decode_block(stored, *codec, &mut out[k * bs..end], &mut tmp).unwrap();
             pos += len as usize;
         }

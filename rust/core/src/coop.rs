@@ -197,28 +197,40 @@ pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>]) -> Vec<u64> {
 
 /// The cost model of the two read strategies. Ranks work in parallel and the slowest one sets the
 /// pace. Reading directly, rank `r` reads `direct[r]` bytes: `max_r direct[r] / storage`. Reading
-/// once, the rounds of `plans` run one after another, and a round takes its slowest reader, then
-/// its slowest exchanger (the larger of what a rank sends and receives), then its fixed cost:
-/// `sum_k (max_r read[r][k] / storage + max_r moved[r][k] / exchange + round)`.
+/// once, the first round is read, then each round's exchange (its slowest exchanger, the larger of
+/// what a rank sends and receives, plus the round's fixed cost) overlaps the next round's reads
+/// (its slowest reader): `R(0) + sum_k max(X(k) + round, R(k + 1))`, with
+/// `R(k) = max_r read[r][k] / storage` (0 past the last round) and
+/// `X(k) = max_r moved[r][k] / exchange`.
 pub fn predict(direct: &[u64], plans: &[ReadPlan], rates: &Rates) -> Prediction {
     let per_s = |bytes: u64, rate: f64| if bytes == 0 { 0.0 } else { bytes as f64 / rate };
     let slowest = direct.iter().copied().max().unwrap_or(0);
     let rounds = plans.first().map_or(0, |p| p.rounds.len());
-    let once = (0..rounds)
-        .map(|k| {
-            let read = plans
-                .iter()
-                .map(|p| p.rounds[k].read_len())
-                .max()
-                .unwrap_or(0);
-            let moved = plans
-                .iter()
-                .map(|p| total(&p.rounds[k].sends).max(total(&p.rounds[k].recvs)))
-                .max()
-                .unwrap_or(0);
-            per_s(read, rates.storage) + per_s(moved, rates.exchange) + rates.round
-        })
-        .sum();
+    let slowest_of = |f: &dyn Fn(&Round) -> u64, k: usize| {
+        plans.iter().map(|p| f(&p.rounds[k])).max().unwrap_or(0)
+    };
+    let read = |k: usize| {
+        if k < rounds {
+            per_s(slowest_of(&|r| r.read_len(), k), rates.storage)
+        } else {
+            0.0
+        }
+    };
+    let moved = |k: usize| {
+        per_s(
+            slowest_of(&|r| total(&r.sends).max(total(&r.recvs)), k),
+            rates.exchange,
+        )
+    };
+    // Round k+1 is read while round k is exchanged (olmo_chunks.fill pipelines them).
+    let once = if rounds == 0 {
+        0.0
+    } else {
+        read(0)
+            + (0..rounds)
+                .map(|k| (moved(k) + rates.round).max(read(k + 1)))
+                .sum::<f64>()
+    };
     Prediction {
         direct: per_s(slowest, rates.storage),
         once,

@@ -6,10 +6,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::checksum::{self, Crc32c};
 use crate::codec::{self, Codec, Encoded};
 use crate::error::{CoreError, Result};
 use crate::manifest::{block_count, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
-use crate::storage::{LocalFs, Object, Storage};
+use crate::storage::{LocalFs, Object, ReadMerge, Storage};
 
 /// Data offsets inside a file are multiples of this.
 pub const ALIGN: u64 = 64;
@@ -223,7 +224,7 @@ pub fn write_chunks_with(
         if encoded[u].is_none() {
             let mut local: Vec<(usize, usize, u32)> = Vec::new();
             for (k, block) in data.chunks(block_size as usize).enumerate() {
-                local.push((i, (s / block_size) as usize + k, crc32c::crc32c(block)));
+                local.push((i, (s / block_size) as usize + k, checksum::crc32c(block)));
             }
             crcs.lock().unwrap().extend(local);
         }
@@ -388,7 +389,7 @@ pub fn read_from(
         let (f, path) = slot.as_ref().unwrap();
         check_extent(m, c.chunk, path, f.size())?;
     }
-    let units = make_units(m, &copies, slices);
+    let requests = merge_units(m, make_units(m, &copies, slices), storage.read_merge());
     let job = |u: Unit<'_>| -> Result<()> {
         let ch = &m.chunks[u.chunk];
         let (f, path) = files[ch.file as usize].as_ref().unwrap();
@@ -403,20 +404,7 @@ pub fn read_from(
                 Ok(())
             });
         }
-        let io_err = |e: std::io::Error| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => {
-                let (key, chunk) = chunk_name(m, u.chunk);
-                let size = f.size();
-                CoreError::Truncated {
-                    path: path.clone(),
-                    key,
-                    chunk,
-                    needed: ch.offset + u.end,
-                    size,
-                }
-            }
-            _ => CoreError::io(path, e),
-        };
+        let io_err = |e| read_error(m, u.chunk, path, ch.offset + u.end, f.size(), e);
         let read = |buf: &mut [u8]| {
             f.read_exact_at(&mut [buf], ch.offset + u.start)
                 .map_err(io_err)
@@ -468,12 +456,161 @@ pub fn read_from(
             if len > pos {
                 segs.push(spare);
             }
-            read_vectored(&mut segs)?;
-            let segs: Vec<&[u8]> = segs.into_iter().map(|s| &*s).collect();
-            check(&segs)
+            if !verify {
+                return read_vectored(&mut segs);
+            }
+            // Each stretch checked as soon as it lands, while it is in the cache.
+            let mut check = BlockCheck::new(m, u.chunk, ch, u.start, u.end, path);
+            f.read_exact_at_seen(&mut segs, ch.offset + u.start, &mut |b| check.feed(b))
+                .map_err(io_err)?;
+            check.finish()
         })
     };
-    run_parallel(units, workers, job)
+    // Units merged into one request: one read of the object's bytes from the first unit's start
+    // to the last one's end, the parts straight into place, the rest (unneeded bytes inside the
+    // units, gaps between them) into scratch; each unit's blocks checked as they land.
+    let merged = |mut units: Vec<Unit<'_>>| -> Result<()> {
+        let spans: Vec<(usize, u64, u64)> =
+            units.iter().map(|u| (u.chunk, u.start, u.end)).collect();
+        let at = |&(c, s, e): &(usize, u64, u64)| (m.chunks[c].offset + s, m.chunks[c].offset + e);
+        let (begin, end) = (at(&spans[0]).0, at(&spans[spans.len() - 1]).1);
+        let last = spans[spans.len() - 1].0;
+        let (f, path) = files[m.chunks[spans[0].0].file as usize].as_ref().unwrap();
+        let err = |e| read_error(m, last, path, end, f.size(), e);
+        let wanted: u64 = units
+            .iter()
+            .flat_map(|u| &u.parts)
+            .map(|p| p.1.len() as u64)
+            .sum();
+        with_scratch(|scratch| {
+            scratch.resize((end - begin - wanted) as usize, 0);
+            let mut spare: &mut [u8] = &mut scratch[..];
+            let mut segs: Vec<&mut [u8]> = Vec::new();
+            let mut owner: Vec<Option<usize>> = Vec::new(); // the unit each segment belongs to
+            let mut pos = begin;
+            for (i, u) in units.iter_mut().enumerate() {
+                let (base, _) = at(&spans[i]);
+                if base > pos {
+                    segs.push(split_off(&mut spare, base - pos));
+                    owner.push(None);
+                }
+                let mut done = 0u64;
+                for (off, dst) in u.parts.iter_mut() {
+                    if *off > done {
+                        segs.push(split_off(&mut spare, *off - done));
+                        owner.push(Some(i));
+                    }
+                    done = *off + dst.len() as u64;
+                    segs.push(&mut **dst);
+                    owner.push(Some(i));
+                }
+                if u.end - u.start > done {
+                    segs.push(split_off(&mut spare, u.end - u.start - done));
+                    owner.push(Some(i));
+                }
+                pos = base + (u.end - u.start);
+            }
+            if !verify {
+                return f.read_exact_at(&mut segs, begin).map_err(err);
+            }
+            let lens: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+            let mut checks: Vec<BlockCheck<'_>> = spans
+                .iter()
+                .map(|&(c, s, e)| BlockCheck::new(m, c, &m.chunks[c], s, e, path))
+                .collect();
+            let (mut seg, mut left) = (0usize, lens[0]);
+            f.read_exact_at_seen(&mut segs, begin, &mut |mut b: &[u8]| {
+                while !b.is_empty() {
+                    while left == 0 {
+                        seg += 1;
+                        left = lens[seg];
+                    }
+                    let n = b.len().min(left);
+                    if let Some(i) = owner[seg] {
+                        checks[i].feed(&b[..n]);
+                    }
+                    left -= n;
+                    b = &b[n..];
+                }
+            })
+            .map_err(err)?;
+            checks.into_iter().try_for_each(BlockCheck::finish)
+        })
+    };
+    run_parallel(requests, workers, |mut units: Vec<Unit<'_>>| {
+        if units.len() == 1 {
+            job(units.pop().unwrap())
+        } else {
+            merged(units)
+        }
+    })
+}
+
+/// The error of a failed read of chunk `c` in data file `path` (of `size` bytes): `Truncated` if
+/// the file ends before byte `needed`.
+fn read_error(
+    m: &Manifest,
+    c: usize,
+    path: &Path,
+    needed: u64,
+    size: u64,
+    e: std::io::Error,
+) -> CoreError {
+    if e.kind() != std::io::ErrorKind::UnexpectedEof {
+        return CoreError::io(path, e);
+    }
+    let (key, chunk) = chunk_name(m, c);
+    CoreError::Truncated {
+        path: path.to_path_buf(),
+        key,
+        chunk,
+        needed,
+        size,
+    }
+}
+
+/// The first `n` bytes of `spare`, which keeps the rest.
+fn split_off<'s>(spare: &mut &'s mut [u8], n: u64) -> &'s mut [u8] {
+    let (head, rest) = std::mem::take(spare).split_at_mut(n as usize);
+    *spare = rest;
+    head
+}
+
+/// Groups `units` into the requests that read them: alone, or, where `merge` allows, with the
+/// units that follow closely in the same data file (raw ones whose parts do not overlap: those
+/// are read straight into place).
+fn merge_units<'a>(m: &Manifest, mut units: Vec<Unit<'a>>, merge: ReadMerge) -> Vec<Vec<Unit<'a>>> {
+    if merge.max == 0 {
+        return units.into_iter().map(|u| vec![u]).collect();
+    }
+    let at = |u: &Unit<'_>| {
+        let ch = &m.chunks[u.chunk];
+        (ch.file, ch.offset + u.start, ch.offset + u.end)
+    };
+    units.sort_unstable_by_key(|u| (at(u).0, at(u).1));
+    let mut out: Vec<Vec<Unit<'a>>> = Vec::new();
+    let mut open: Option<(u32, u64, u64)> = None; // file, start and end of the request taking more
+    for mut u in units {
+        u.parts.sort_unstable_by_key(|p| p.0);
+        let ok = m.chunks[u.chunk].codec == Codec::Raw
+            && u.parts
+                .windows(2)
+                .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0);
+        let (f, s, e) = at(&u);
+        match open.as_mut() {
+            Some((of, os, oe))
+                if ok && *of == f && s >= *oe && s - *oe <= merge.gap && e - *os <= merge.max =>
+            {
+                *oe = e;
+                out.last_mut().unwrap().push(u);
+            }
+            _ => {
+                open = ok.then_some((f, s, e));
+                out.push(vec![u]);
+            }
+        }
+    }
+    out
 }
 
 /// Scratch buffers kept across calls: worker threads live for one call only, and fresh pages cost
@@ -504,42 +641,79 @@ fn check_blocks(
     segs: &[&[u8]],
     path: &Path,
 ) -> Result<()> {
-    let bs = m.block_size as usize;
-    let crcs = m.chunk_checksums(ch);
-    let (mut block, mut filled, mut crc) = ((start / m.block_size) as usize, 0usize, 0u32);
-    let total: usize = segs.iter().map(|s| s.len()).sum();
-    let mut seen = 0usize;
-    let finish = |block: usize, crc: u32, len: usize| -> Result<()> {
-        if crc == crcs[block] {
-            return Ok(());
+    let total: u64 = segs.iter().map(|s| s.len() as u64).sum();
+    let mut check = BlockCheck::new(m, c, ch, start, start + total, path);
+    segs.iter().for_each(|s| check.feed(s));
+    check.finish()
+}
+
+/// The block checksums of chunk bytes `start..end`, fed in order as they arrive: whole blocks,
+/// but at the chunk's end. The first mismatch is kept; `finish` says whether there was one.
+struct BlockCheck<'a> {
+    m: &'a Manifest,
+    c: usize,
+    ch: &'a Chunk,
+    path: &'a Path,
+    crcs: &'a [u32],
+    block: usize,
+    filled: usize,
+    crc: Crc32c,
+    left: u64,
+    failure: Option<CoreError>,
+}
+
+impl<'a> BlockCheck<'a> {
+    fn new(m: &'a Manifest, c: usize, ch: &'a Chunk, start: u64, end: u64, path: &'a Path) -> Self {
+        BlockCheck {
+            m,
+            c,
+            ch,
+            path,
+            crcs: m.chunk_checksums(ch),
+            block: (start / m.block_size) as usize,
+            filled: 0,
+            crc: Crc32c::default(),
+            left: end - start,
+            failure: None,
         }
-        let (key, chunk) = chunk_name(m, c);
-        let s = ch.offset + block as u64 * m.block_size;
-        Err(CoreError::ChecksumMismatch {
-            path: path.to_path_buf(),
+    }
+
+    fn feed(&mut self, mut bytes: &[u8]) {
+        let bs = self.m.block_size as usize;
+        while !bytes.is_empty() && self.left > 0 {
+            let n = bytes.len().min(bs - self.filled).min(self.left as usize);
+            self.crc.update(&bytes[..n]);
+            self.filled += n;
+            self.left -= n as u64;
+            bytes = &bytes[n..];
+            if self.filled == bs || self.left == 0 {
+                self.end_block();
+            }
+        }
+    }
+
+    fn end_block(&mut self) {
+        let (block, crc, len) = (self.block, self.crc.take(), self.filled);
+        (self.block, self.filled) = (block + 1, 0);
+        if crc == self.crcs[block] || self.failure.is_some() {
+            return;
+        }
+        let (key, chunk) = chunk_name(self.m, self.c);
+        let s = self.ch.offset + block as u64 * self.m.block_size;
+        self.failure = Some(CoreError::ChecksumMismatch {
+            path: self.path.to_path_buf(),
             key,
             chunk,
             start: s,
             end: s + len as u64,
-            expected: crcs[block],
+            expected: self.crcs[block],
             found: crc,
-        })
-    };
-    for seg in segs {
-        let mut rest = *seg;
-        while !rest.is_empty() {
-            let n = rest.len().min(bs - filled);
-            crc = crc32c::crc32c_append(crc, &rest[..n]);
-            filled += n;
-            seen += n;
-            rest = &rest[n..];
-            if filled == bs || seen == total {
-                finish(block, crc, filled)?;
-                (block, filled, crc) = (block + 1, 0, 0);
-            }
-        }
+        });
     }
-    Ok(())
+
+    fn finish(self) -> Result<()> {
+        self.failure.map_or(Ok(()), Err)
+    }
 }
 
 /// Splits the needed bytes of every chunk into block-aligned units, cutting at the first and last
@@ -672,7 +846,7 @@ fn decode_range(
         for k in k0..k1 {
             let block = &stored[pos..pos + lens[k] as usize];
             let (s, e) = (at + pos as u64, at + (pos + block.len()) as u64);
-            let found = crc32c::crc32c(block);
+            let found = checksum::crc32c(block);
             if verify && found != crcs[k] {
                 let (key, chunk) = chunk_name(m, c);
                 return Err(CoreError::ChecksumMismatch {
@@ -763,21 +937,10 @@ pub fn verify_from(
         }
         with_scratch(|buf| {
             buf.resize((e - s) as usize, 0);
-            f.read_exact_at(&mut [&mut buf[..]], ch.offset + s)
-                .map_err(|err| match err.kind() {
-                    std::io::ErrorKind::UnexpectedEof => {
-                        let (key, chunk) = chunk_name(m, c);
-                        CoreError::Truncated {
-                            path: path.clone(),
-                            key,
-                            chunk,
-                            needed: ch.offset + e,
-                            size: f.size(),
-                        }
-                    }
-                    _ => CoreError::io(path, err),
-                })?;
-            check_blocks(m, c, ch, s, &[&buf[..]], path)
+            let mut check = BlockCheck::new(m, c, ch, s, e, path);
+            f.read_exact_at_seen(&mut [&mut buf[..]], ch.offset + s, &mut |b| check.feed(b))
+                .map_err(|err| read_error(m, c, path, ch.offset + e, f.size(), err))?;
+            check.finish()
         })?;
         if let Some(done) = progress {
             done.fetch_add(e - s, Ordering::Relaxed);

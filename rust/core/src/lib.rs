@@ -3,6 +3,7 @@
 //! byte slices, locations and plans.
 
 pub mod assign;
+pub mod checksum;
 pub mod codec;
 #[doc(hidden)]
 pub mod conformance;
@@ -37,5 +38,5 @@ pub use manifest::{Chunk, FileEntry, Manifest, TensorEntry, FORMAT_VERSION, MANI
 pub use plan::{box_overlaps, check_coverage, Overlap, Run, TensorPlanner};
 pub use region::{Piece, Region};
 pub use save::{assemble_manifest, SavedChunk, TensorSchema};
-pub use storage::{Entry, Head, IoCounters, LocalFs, Object, PutIf, Storage, Version};
+pub use storage::{Entry, Head, IoCounters, LocalFs, Object, PutIf, ReadMerge, Storage, Version};
 pub use txn::{SaveOptions, SaveTxn};

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
-use crate::storage::{Entry, Head, HeadCheck, IoCounters, Object, PutIf, Storage, Version};
+use crate::storage::{
+    Entry, Head, HeadCheck, IoCounters, Object, PutIf, ReadMerge, Storage, Version,
+};
 
 /// The cap in bytes per second (0: none), and when the bytes read so far are allowed to have
 /// arrived.
@@ -74,6 +76,16 @@ impl Object for PacedObject {
         pace_read(bufs.iter().map(|b| b.len() as u64).sum());
         Ok(())
     }
+    fn read_exact_at_seen(
+        &self,
+        bufs: &mut [&mut [u8]],
+        offset: u64,
+        seen: &mut dyn FnMut(&[u8]),
+    ) -> std::io::Result<()> {
+        self.inner.read_exact_at_seen(bufs, offset, seen)?;
+        pace_read(bufs.iter().map(|b| b.len() as u64).sum());
+        Ok(())
+    }
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
         self.inner.write_all_at(data, offset)
     }
@@ -93,6 +105,9 @@ fn paced_bytes(bytes: Vec<u8>) -> Vec<u8> {
 impl Storage for Paced {
     fn name(&self, rel: &str) -> PathBuf {
         self.inner.name(rel)
+    }
+    fn read_merge(&self) -> ReadMerge {
+        self.inner.read_merge()
     }
     fn open(&self, rel: &str) -> Result<Box<dyn Object>> {
         Ok(Box::new(PacedObject {

@@ -56,6 +56,19 @@ pub trait Object: Send + Sync {
     /// Fills `bufs`, in order, from bytes `offset..` (all of them, or an error; a short object is
     /// `UnexpectedEof`).
     fn read_exact_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> std::io::Result<()>;
+    /// [`Object::read_exact_at`], handing `seen` every stretch of the bytes, in order, as soon as
+    /// it has landed (while it is still in the CPU's cache: checksums in the same pass as the
+    /// copy, not in a second one over memory).
+    fn read_exact_at_seen(
+        &self,
+        bufs: &mut [&mut [u8]],
+        offset: u64,
+        seen: &mut dyn FnMut(&[u8]),
+    ) -> std::io::Result<()> {
+        self.read_exact_at(bufs, offset)?;
+        bufs.iter().for_each(|b| seen(b));
+        Ok(())
+    }
     /// Writes all of `data` at `offset`.
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()>;
     /// Declares that bytes `offset..offset + len` are never written and stay zero (alignment
@@ -130,9 +143,23 @@ fn no_txn<T>(s: &(impl Storage + ?Sized), rel: &str) -> Result<T> {
 /// `put_if` (create-if-absent, replace-if-version), `publish` (the commit) and `touch_if` (a
 /// lease's heartbeat). A local filesystem implements them with `O_EXCL`, `rename` and fsyncs of
 /// files and directories (`fsops.rs`).
+/// Which byte ranges of one object a load may read in one request ([`Storage::read_merge`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadMerge {
+    /// The most unneeded bytes read between two needed ranges.
+    pub gap: u64,
+    /// The most bytes one request reads (0: ranges are never merged).
+    pub max: u64,
+}
+
 pub trait Storage: Send + Sync {
     /// What `rel` is called in errors.
     fn name(&self, rel: &str) -> PathBuf;
+    /// How a load may merge the ranges it reads of one object: never, for storages where a read
+    /// costs no round trip (local files).
+    fn read_merge(&self) -> ReadMerge {
+        ReadMerge::default()
+    }
     /// Opens object `rel` for reading. Refuses anything but a regular object strictly below the
     /// root (no symbolic links, FIFOs or devices).
     fn open(&self, rel: &str) -> Result<Box<dyn Object>>;
@@ -334,6 +361,9 @@ struct LocalObject {
     counters: Arc<IoCounters>,
 }
 
+/// Bytes a local read hands to its checksum at a time: within a core's L2 cache.
+pub const SEEN_WINDOW: usize = 1024 << 10;
+
 impl Object for LocalObject {
     fn size(&self) -> u64 {
         self.size
@@ -354,6 +384,42 @@ impl Object for LocalObject {
             self.counters.add_read(n as u64);
             offset += n as u64;
             IoSliceMut::advance_slices(&mut rest, n);
+        }
+        Ok(())
+    }
+
+    /// Reads in windows of [`SEEN_WINDOW`] bytes, each handed to `seen` before the next is read.
+    fn read_exact_at_seen(
+        &self,
+        bufs: &mut [&mut [u8]],
+        mut offset: u64,
+        seen: &mut dyn FnMut(&[u8]),
+    ) -> std::io::Result<()> {
+        let mut window: Vec<&mut [u8]> = Vec::new();
+        let mut filled = 0usize;
+        let mut flush = |window: &mut Vec<&mut [u8]>, filled: &mut usize| {
+            self.read_exact_at(window, offset)?;
+            window.iter().for_each(|w| seen(w));
+            offset += *filled as u64;
+            window.clear();
+            *filled = 0;
+            Ok::<_, std::io::Error>(())
+        };
+        for buf in bufs.iter_mut() {
+            let mut rest: &mut [u8] = buf;
+            while !rest.is_empty() {
+                let n = rest.len().min(SEEN_WINDOW - filled);
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                window.push(head);
+                filled += n;
+                rest = tail;
+                if filled == SEEN_WINDOW {
+                    flush(&mut window, &mut filled)?;
+                }
+            }
+        }
+        if filled > 0 {
+            flush(&mut window, &mut filled)?;
         }
         Ok(())
     }

@@ -1,8 +1,9 @@
 //! Checkpoints in object stores (`s3://bucket/prefix` on S3 and S3-compatible servers,
 //! `gs://bucket/prefix` on Google Cloud Storage), through Apache Arrow's `object_store`.
 //!
-//! [`ObjectStorage`] is a [`Storage`](crate::storage::Storage): data objects are read with one
-//! ranged GET per unit the reader asks for (the block-aligned units of `io.rs`, in parallel) and
+//! [`ObjectStorage`] is a [`Storage`](crate::storage::Storage): data objects are read with ranged
+//! GETs, the block-aligned units of `io.rs` that lie close together in one object merged into one
+//! request of up to [`REQUEST_BYTES`], several in flight, and
 //! written as multipart uploads whose parts go up, in parallel, as soon as the writers have filled
 //! them. Its transaction primitives are conditional PUTs (`If-None-Match: *`, `If-Match`), on
 //! which the one save transaction (`txn.rs`, docs/FORMAT.md "Object stores") runs.
@@ -27,6 +28,11 @@ pub use storage::ObjectStorage;
 /// Parts of a multipart upload are this large (the last one smaller), or larger where a file
 /// would otherwise need more than `MAX_PARTS`.
 pub const PART_SIZE: u64 = 8 << 20;
+/// Two needed ranges of one object at most this far apart are read by one request (the bytes
+/// between are read and dropped), as object_store's `get_ranges` merges them.
+pub const MERGE_GAP: u64 = 1 << 20;
+/// The most bytes one merged ranged read asks for, unless `OLMO_CHUNKS_REQUEST_MIB` says.
+pub const REQUEST_BYTES: u64 = 32 << 20;
 /// S3's limit on the parts of one upload.
 const MAX_PARTS: u64 = 10_000;
 

@@ -14,9 +14,11 @@ use tokio::runtime::Runtime;
 
 use super::client::{bucket_for, runtime, split_url, Bucket};
 use super::transfer::{RemoteReader, RemoteWriter};
-use super::{MAX_PARTS, PART_SIZE};
+use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
 use crate::error::{CoreError, Result};
-use crate::storage::{Entry, Head, HeadCheck, IoCounters, Object, PutIf, Storage, Version};
+use crate::storage::{
+    Entry, Head, HeadCheck, IoCounters, Object, PutIf, ReadMerge, Storage, Version,
+};
 
 /// A prefix of a bucket, holding one checkpoint.
 #[derive(Clone)]
@@ -28,6 +30,7 @@ pub struct ObjectStorage {
     prefix: String,
     /// Smallest part of a multipart upload.
     part_size: u64,
+    merge: ReadMerge,
 }
 
 fn io_kind(e: &object_store::Error) -> std::io::ErrorKind {
@@ -64,6 +67,7 @@ impl ObjectStorage {
                 .into(),
             prefix,
             part_size: PART_SIZE,
+            merge: read_merge()?,
         })
     }
 
@@ -82,6 +86,7 @@ impl ObjectStorage {
             url: "memory://b/p".into(),
             prefix: "p".into(),
             part_size: part,
+            merge: read_merge()?,
         })
     }
 
@@ -222,7 +227,31 @@ fn head_of(meta: ObjectMeta) -> Head {
     }
 }
 
+/// Ranged reads of one object are merged across gaps of at most [`MERGE_GAP`] bytes into requests
+/// of at most `OLMO_CHUNKS_REQUEST_MIB` MiB (default [`REQUEST_BYTES`]); as many are in flight
+/// per rank as the load has workers (`OLMO_CHUNKS_THREADS`).
+fn read_merge() -> Result<ReadMerge> {
+    let max = match std::env::var("OLMO_CHUNKS_REQUEST_MIB") {
+        Err(_) => REQUEST_BYTES,
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(mib @ 1..=4096) => mib << 20,
+            _ => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "OLMO_CHUNKS_REQUEST_MIB={v:?}: expected a whole number of MiB from 1 to 4096"
+                )))
+            }
+        },
+    };
+    Ok(ReadMerge {
+        gap: MERGE_GAP,
+        max,
+    })
+}
+
 impl Storage for ObjectStorage {
+    fn read_merge(&self) -> ReadMerge {
+        self.merge
+    }
     fn name(&self, rel: &str) -> PathBuf {
         if rel.is_empty() {
             PathBuf::from(&self.url)

@@ -21,8 +21,18 @@ impl Object for RemoteReader {
         self.size
     }
 
-    /// One ranged GET, its body copied into `bufs` as it arrives.
     fn read_exact_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> std::io::Result<()> {
+        self.read_exact_at_seen(bufs, offset, &mut |_| {})
+    }
+
+    /// One ranged GET, its body copied into `bufs` as it arrives (each piece handed to `seen`
+    /// right after its copy).
+    fn read_exact_at_seen(
+        &self,
+        bufs: &mut [&mut [u8]],
+        offset: u64,
+        seen: &mut dyn FnMut(&[u8]),
+    ) -> std::io::Result<()> {
         let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         if len == 0 {
             return Ok(());
@@ -55,6 +65,7 @@ impl Object for RemoteReader {
                     let n = piece.len().min(cur.len());
                     let (head, tail) = std::mem::take(&mut cur).split_at_mut(n);
                     head.copy_from_slice(&piece[..n]);
+                    seen(head);
                     cur = tail;
                     piece = &piece[n..];
                     s.bucket.counters.add_read(n as u64);

@@ -3,6 +3,7 @@
 
 mod assign_oracle;
 mod backends;
+mod checksum_oracle;
 mod common;
 mod compressed;
 mod coop_oracle;
