@@ -362,7 +362,7 @@ struct LocalObject {
 }
 
 /// Bytes a local read hands to its checksum at a time: within a core's L2 cache.
-pub const SEEN_WINDOW: usize = 1024 << 10;
+pub const SEEN_WINDOW: usize = 256 << 10;
 
 impl Object for LocalObject {
     fn size(&self) -> u64 {
