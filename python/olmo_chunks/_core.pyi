@@ -269,7 +269,7 @@ class ReadOnce:
         send: tuple[int, int],
         verify: bool = True,
         workers: int | None = None,
-    ) -> None: ...
+    ) -> float: ...
     def fill(
         self,
         k: int,

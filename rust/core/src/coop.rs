@@ -355,7 +355,8 @@ fn push_peer(peers: &mut Vec<(u32, Vec<Span>)>, peer: u32, s: Span) {
 }
 
 /// Reads round `round`'s blocks into `read_buf` (verifying checksums when `verify`) and packs the
-/// bytes each peer needs from them into `send_buf`, peers in order.
+/// bytes each peer needs from them into `send_buf`, peers in order. Returns the seconds the reads
+/// took (without the packing): what the storage's rate is learned from.
 pub fn read_round(
     storage: &dyn Storage,
     m: &Manifest,
@@ -364,10 +365,11 @@ pub fn read_round(
     send_buf: &mut [u8],
     verify: bool,
     workers: usize,
-) -> Result<()> {
+) -> Result<f64> {
     check_len("read", round.read_len(), read_buf.len())?;
     check_len("send", total(&round.sends), send_buf.len())?;
     let reads = pieces(&round.reads);
+    let t0 = std::time::Instant::now();
     read_from(
         storage,
         m,
@@ -376,6 +378,7 @@ pub fn read_round(
         verify,
         workers,
     )?;
+    let seconds = t0.elapsed().as_secs_f64();
     let sends = pieces(round.sends.iter().flat_map(|p| &p.1));
     copy_from(
         &segments(&reads, read_buf),
@@ -383,7 +386,7 @@ pub fn read_round(
         vec![send_buf],
         workers,
     )?;
-    Ok(())
+    Ok(seconds)
 }
 
 /// Executes the `copies` (of the whole load) that fall in this round, from the bytes this rank

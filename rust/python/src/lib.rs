@@ -482,7 +482,7 @@ impl PyReadOnce {
         out
     }
     /// Reads round `k`'s blocks into `read` and packs what goes to each peer into `send`
-    /// (`(address, nbytes)` of CPU buffers).
+    /// (`(address, nbytes)` of CPU buffers); returns the seconds the reads took (not the packing).
     #[pyo3(signature = (k, read, send, verify=true, workers=None))]
     fn read(
         &self,
@@ -492,7 +492,7 @@ impl PyReadOnce {
         send: (usize, usize),
         verify: bool,
         workers: Option<usize>,
-    ) -> PyResult<()> {
+    ) -> PyResult<f64> {
         let round = self.round(py, k)?;
         let (m, storage) = (&self.m, &self.storage);
         detach(py, move || {
