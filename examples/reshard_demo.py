@@ -66,6 +66,14 @@ def build_state(spec, mesh, style: str, fill: bool) -> dict:
     return state
 
 
+def describe_reading(r) -> str:
+    """Which read strategy the load took (`read="auto"`, the default, chooses) and why."""
+    if r.predicted_direct_s is None or r.predicted_once_s is None:
+        return f"read={r.read}: no saved block is needed by two ranks" if r.read == "direct" else f"read={r.read}"
+    return (f"read={r.read}: predicted {r.predicted_direct_s:.2f} s direct, {r.predicted_once_s:.2f} s once "
+            f"(from {r.why})")
+
+
 def mesh_for(world: int, style: str):
     if style == "grid":
         a = math.isqrt(world)
@@ -84,10 +92,11 @@ def worker(rank: int, world: int, port: int, action: str, path: str, size_mb: in
         state = build_state(spec, mesh, style, fill=(action == "save"))
         dist.barrier()
         t0 = time.perf_counter()
+        how = ""
         if action == "save":
             olmo_chunks.save(state, path, overwrite=True)
         else:
-            olmo_chunks.load(state, path)
+            how = describe_reading(olmo_chunks.load(state, path).reading)
         dist.barrier()
         elapsed = time.perf_counter() - t0
         wrong = 0
@@ -103,12 +112,12 @@ def worker(rank: int, world: int, port: int, action: str, path: str, size_mb: in
         totals = torch.tensor([wrong], dtype=torch.int64)
         dist.all_reduce(totals)
         if rank == 0:
-            out.put((elapsed, int(totals[0])))
+            out.put((elapsed, int(totals[0]), how))
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int, action: str, path: str, size_mb: int, style: str) -> tuple[float, int]:
+def run(world: int, action: str, path: str, size_mb: int, style: str) -> tuple[float, int, str]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     import socket
@@ -134,13 +143,13 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="olmo-chunks-demo-")
     path = os.path.join(root, "step1000")
     try:
-        t_save, _ = run(args.save_ranks, "save", path, args.size_mb, args.save_layout)
+        t_save, _, _ = run(args.save_ranks, "save", path, args.size_mb, args.save_layout)
         nbytes = sum(t.nbytes for t in olmo_chunks._core.Manifest.open(path).tensors)
         print(f"saved   {nbytes / 1e9:.3f} GB on {args.save_ranks} ranks ({args.save_layout}) in {t_save:.2f} s: "
               f"{nbytes / t_save / 1e9:.2f} GB/s (durable: data and manifest fsynced)")
-        t_load, wrong = run(args.load_ranks, "load", path, args.size_mb, args.load_layout)
+        t_load, wrong, how = run(args.load_ranks, "load", path, args.size_mb, args.load_layout)
         print(f"loaded  {nbytes / 1e9:.3f} GB on {args.load_ranks} ranks ({args.load_layout}) in {t_load:.2f} s: "
-              f"{nbytes / t_load / 1e9:.2f} GB/s (resharded, checksums verified)")
+              f"{nbytes / t_load / 1e9:.2f} GB/s (resharded, checksums verified; {how})")
         if wrong:
             raise SystemExit(f"FAILED: {wrong} tensors differ after the resharded load")
         print(f"verified: every tensor bit-exact after resharding {args.save_ranks}x{args.save_layout} -> "

@@ -116,8 +116,41 @@ def test_auto_reads_once_from_slow_storage_and_directly_from_fast(saved):
             assert (once_s < direct_s) == (chosen == "once") and "(env)" in why and "GB/s on cpu" in why
     # Each rank would read the whole 8 MiB checkpoint directly: 8 MiB at 10 MB/s.
     assert slow[0][2] == pytest.approx(CHECKPOINT / 1e7, rel=1e-6)
+    # The read-once load was timed against its prediction: the next one's model is scaled by it.
+    again = world.run(4, _two_slow_loads, saved["S0"])
+    assert all(first != second and "its model (measured)" in why for first, second, why in again), again
     # Without the variable the rate is the prior, then what this process's loads measured.
     assert world.run(2, _two_auto_loads, saved["S0"]) == [("prior", "learned")] * 2
+
+
+def _two_slow_loads(path: str) -> tuple[float, float, str]:
+    """Two auto loads from 10 MB/s storage: each reads once; the second's prediction is scaled by
+    how far the first's was off."""
+    from olmo_chunks import rates
+
+    rates._once_factor.clear()
+    first = load_auto(path, "R", "0.01")
+    second = load_auto(path, "R", "0.01")
+    assert first[1] == second[1] == "once" and first[0] and second[0]
+    return first[3], second[3], second[4]
+
+
+def test_the_once_factor_moves_halfway_and_stays_bounded():
+    from olmo_chunks import rates
+
+    key = (-1, "cpu")
+    rates._once_factor.pop(key, None)
+    assert rates.once_factor(key) == 1.0
+    rates.learn_once(key, seconds=4.0, predicted=1.0)
+    assert rates.once_factor(key) == pytest.approx(2.0)
+    rates.learn_once(key, seconds=1.0, predicted=4.0)  # predicted with the factor: 2 x (1/4) ** 0.5
+    assert rates.once_factor(key) == pytest.approx(1.0)
+    for _ in range(20):
+        rates.learn_once(key, seconds=1e6, predicted=1e-3)
+    assert rates.once_factor(key) == 20.0
+    rates.learn_once(key, seconds=0.0, predicted=1.0)  # nothing measured: unchanged
+    assert rates.once_factor(key) == 20.0
+    rates._once_factor.pop(key)
 
 
 def _two_auto_loads(path: str) -> tuple[str, str]:

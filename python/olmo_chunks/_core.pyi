@@ -281,16 +281,19 @@ class ReadOnce:
 
 @final
 class Rates:
-    """What a load's time is predicted from: bytes per second one rank reads from storage and
-    moves in an all-to-all, and the fixed seconds of a read-once round."""
+    """What a load's time is predicted from: bytes per second one rank reads from storage, moves
+    in an all-to-all and copies through fresh buffers, and the fixed seconds of a read-once
+    round."""
 
-    def __new__(cls, storage: float, exchange: float, round: float) -> Self: ...
+    def __new__(cls, storage: float, exchange: float, round: float, copy: float) -> Self: ...
     @property
     def storage(self) -> float: ...
     @property
     def exchange(self) -> float: ...
     @property
     def round(self) -> float: ...
+    @property
+    def copy(self) -> float: ...
 
 @final
 class ReadChoice:

@@ -240,60 +240,80 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
                source: str) -> ReadOutcome:
     """The cooperative load (collective). Reads nothing and returns a "direct" outcome when no
     saved block is needed by two ranks (and not `force`), or with `auto` when reading directly is
-    predicted faster: each rank then reads its own."""
+    predicted faster: each rank then reads its own.
+
+    One store step decides: each rank sends what it needs (where that is small), rank 0 plans,
+    predicts and sends each rank its plan. Where the needs or plans are too large for the store,
+    or the group's exchange must be measured first, they travel by bounded collectives instead,
+    and a second step decides."""
     load = _CooperativeLoad(manifest, direct, staged, tied, group, verify, workers, source)
-    # Which device the bytes travel on, and whether the group's exchange must be measured first
-    # (one store step, where a failure describing the needs reaches every rank), then the needs to
-    # rank 0 and the plans back by bounded collectives.
+    pg = id(group.pg)
+    inline = max(256, _INLINE_BYTES // group.size)
     needs: list[bytes] = []
-
-    def describe() -> tuple[bool, list[str]]:
-        n, cuda = load.needs()
-        needs.append(n)
-        return cuda, [d for d in ("cpu", "cuda") if (id(group.pg), d) in _EXCHANGE]
-
-    def route(got: list[tuple[bool, list[str]]]) -> tuple[str, bool]:
-        device = _exchange_device(group, any(c for c, _ in got), all(c for c, _ in got))
-        return device, auto and group.size > 1 and not all(device in known for _, known in got)
-
-    device, probe = group.exchange(describe, route)[1]
-    if probe:
-        _EXCHANGE[(id(group.pg), device)] = _measure_exchange(group, device)
-    measured = _EXCHANGE.get((id(group.pg), device))
-    gathered = group.gather_bytes(needs[0]) if group.size > 1 else needs
     plans: list[bytes] | None = None
 
-    def plan(_: list[None]) -> tuple[str, float | None, float | None, str]:
+    def describe() -> tuple[bool, list[str], bytes | None]:
+        n, cuda = load.needs()
+        needs.append(n)
+        return cuda, [d for d in ("cpu", "cuda") if (pg, d) in _EXCHANGE], n if len(n) <= inline else None
+
+    def decide(gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str]:
         nonlocal plans
-        assert gathered is not None
         model, why = None, ""
+        measured = _EXCHANGE.get((pg, device))
         if auto and measured is not None:
             storage, origin = rates.storage_rate(source)
-            model = _core.Rates(storage, measured.bps, measured.round_s)
+            f = rates.once_factor((pg, device))
+            model = _core.Rates(storage, measured.bps / f, measured.round_s * f, measured.copy_bps / f)
             why = (f"storage {storage / 1e9:.2f} GB/s ({origin}), exchange {measured.bps / 1e9:.2f} GB/s "
-                   f"on {device}, {measured.round_s * 1e3:.1f} ms per round")
+                   f"on {device}, {measured.round_s * 1e3:.1f} ms per round, copies "
+                   f"{measured.copy_bps / 1e9:.2f} GB/s" + (f", once x{f:.2f} its model (measured)" if f != 1 else ""))
         # Rounds of half the budget: two of them overlap (`_CooperativeLoad.run`).
         choice = _core.plan_read_once(manifest, gathered, STAGING_BYTES // 2, force, model)
         plans = choice.plans
         return "once" if plans is not None else "direct", choice.direct_s, choice.once_s, why
 
-    mode, direct_s, once_s, why = group.exchange(None, plan)[1]
+    def first(got: list[tuple[bool, list[str], bytes | None]]) -> list[Any]:
+        device = _exchange_device(group, any(c for c, _, _ in got), all(c for c, _, _ in got))
+        probe = auto and group.size > 1 and not all(device in known for _, known, _ in got)
+        if probe or any(n is None for *_, n in got):
+            return [(None, device, probe, None)] * group.size
+        decision = decide([n for *_, n in got if n is not None], device)
+        small = plans is not None and sum(map(len, plans)) <= _INLINE_BYTES
+        return [(decision, device, False, plans[r] if plans is not None and small else None)
+                for r in range(group.size)]
+
+    decision, device, probe, mine = group.exchange(describe, first, scatter=True)[1]
+    if decision is None:
+        if probe:
+            _EXCHANGE[(pg, device)] = _measure_exchange(group, device)
+        gathered = group.gather_bytes(needs[0]) if group.size > 1 else needs
+        decision = group.exchange(None, lambda _: decide(gathered or [], device))[1]
+    mode, direct_s, once_s, why = decision
     outcome = ReadOutcome(mode, predicted_direct_s=direct_s, predicted_once_s=once_s, why=why)
     if outcome.read == "direct":
         return outcome
-    mine = group.scatter_bytes(plans) if group.size > 1 else plans[0]  # type: ignore[index]
+    if mine is None:
+        mine = group.scatter_bytes(plans) if group.size > 1 else plans[0]  # type: ignore[index]
+    t0 = time.perf_counter()
     outcome.rounds, outcome.peak_bytes = load.run(mine, device)
+    if once_s is not None:  # rank 0's figures decide; every rank keeps them alike
+        rates.learn_once((pg, device), time.perf_counter() - t0, once_s)
     return outcome
 
+
+# Needs and plans of up to this many bytes in all travel in the store step that decides a load.
+_INLINE_BYTES = 1 << 20
 
 # Each group's measured exchange, by process group and device (`_measure_exchange`).
 _EXCHANGE: dict[tuple[int, str], rates.ExchangeRates] = {}
 
 
 def _measure_exchange(group: Group, device: str) -> rates.ExchangeRates:
-    """Times a tiny all-to-all and one of `rates.PROBE_BYTES` per rank on `device` (collective).
-    A round costs, besides its bytes, about two tiny collectives: its all-to-all's latency and the
-    one-flag all-reduce before it."""
+    """Times a tiny all-to-all and one of `rates.PROBE_BYTES` per rank on `device` (collective),
+    and a copy of as many bytes into a fresh buffer on every rank at once. A round costs, besides
+    its bytes, about two tiny collectives: its all-to-all's latency and the one-flag all-reduce
+    before it."""
     per_peer = max(1, rates.PROBE_BYTES // group.size)
 
     def all_to_all(n: int) -> float:
@@ -304,13 +324,19 @@ def _measure_exchange(group: Group, device: str) -> rates.ExchangeRates:
         group.wait_work(work, "the exchange probe", cuda=device != "cpu")
         return time.perf_counter() - t0
 
-    def probe() -> tuple[float, float]:
-        all_to_all(1)  # connections set up
-        return all_to_all(1), all_to_all(per_peer)
+    def copy() -> float:
+        src = torch.empty(rates.PROBE_BYTES, dtype=torch.uint8).fill_(1)
+        t0 = time.perf_counter()
+        torch.empty(rates.PROBE_BYTES, dtype=torch.uint8).copy_(src)  # fresh pages, as a round's
+        return time.perf_counter() - t0
 
-    small, big = group.agree(probe)
+    def probe() -> tuple[float, float, float]:
+        all_to_all(1)  # connections set up
+        return all_to_all(1), all_to_all(per_peer), copy()
+
+    small, big, copied = group.agree(probe)
     moved = per_peer * (group.size - 1)
-    return rates.ExchangeRates(moved / max(big - small, 1e-6), 2 * small)
+    return rates.ExchangeRates(moved / max(big - small, 1e-6), 2 * small, rates.PROBE_BYTES / max(copied, 1e-6))
 
 
 class _CooperativeLoad:

@@ -13,7 +13,14 @@ all measured on the job's own machines (the model itself is `_core.plan_read_onc
 - **exchange**: bytes per second one rank moves in an all-to-all of the group, measured once per
   group and device by two timed all-to-alls (a tiny one, and one of `PROBE_BYTES` per rank) and
   cached; rank 0's figures speak for the group.
-- **round**: the fixed seconds of a read-once round: the tiny all-to-all's time plus one agreement.
+- **round**: the fixed seconds of a read-once round: twice the tiny all-to-all's time.
+- **copy**: bytes per second one rank copies into a fresh buffer (page faults included) while
+  the others do too: the packing for peers and the copies into place that only reading once
+  does, measured with the exchange.
+
+Reading once is also measured against its prediction: later predictions of the group's
+read-once loads are scaled by how far off they were (`once_factor`), so a model that leaves out
+what a machine makes slow corrects itself after one load.
 
 The choice is made on rank 0, which holds every rank's needs; it is sent to every rank with the
 plans, so all ranks take the same path.
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 from . import _core
 from .location import is_url
 
-__all__ = ["PRIORS", "PROBE_BYTES", "ExchangeRates", "learn_storage", "storage_rate"]
+__all__ = ["PRIORS", "PROBE_BYTES", "ExchangeRates", "learn_once", "learn_storage", "once_factor", "storage_rate"]
 
 # Bytes per second per rank assumed for a storage this process has not read yet: a node's own
 # disk or page cache, or an object store through one client.
@@ -42,10 +49,12 @@ _learned: dict[str, float] = {}
 
 @dataclass(frozen=True)
 class ExchangeRates:
-    """A group's measured exchange: bytes per second per rank, and the fixed seconds of a round."""
+    """A group's measured exchange: bytes per second per rank, the fixed seconds of a round, and
+    bytes per second a rank copies into fresh buffers (all ranks at once)."""
 
     bps: float
     round_s: float
+    copy_bps: float
 
 
 def _key(source: str) -> str:
@@ -84,3 +93,23 @@ def learn_storage(source: str, nbytes: int, seconds: float) -> None:
     old = _learned.get(key)
     _learned[key] = rate if old is None else _WEIGHT * rate + (1 - _WEIGHT) * old
 
+
+
+# How much slower than its model reading once turned out, per process group and device.
+_once_factor: dict[tuple[int, str], float] = {}
+
+
+def once_factor(key: tuple[int, str]) -> float:
+    """How many times its model's prediction a read-once load of this group and device took (1
+    before one was measured): the parts the model leaves out (contention for the cores, cache
+    misses of buffers larger than the probe's) scale with the exchange."""
+    return _once_factor.get(key, 1.0)
+
+
+def learn_once(key: tuple[int, str], seconds: float, predicted: float) -> None:
+    """Records that a read-once load predicted to take `predicted` seconds (with the current
+    factor) took `seconds`; the factor moves halfway there (geometrically), within 1/4..20."""
+    if seconds <= 0 or predicted <= 0:
+        return
+    old = once_factor(key)
+    _once_factor[key] = min(20.0, max(0.25, old * (seconds / predicted) ** _WEIGHT))

@@ -169,8 +169,12 @@ pub struct Rates {
     pub storage: f64,
     /// Bytes per second one rank sends and receives in an all-to-all of the group.
     pub exchange: f64,
-    /// Seconds a round costs besides its bytes: its agreement and the collective's latency.
+    /// Seconds a round costs besides its bytes: its collectives' latency.
     pub round: f64,
+    /// Bytes per second one rank packs for its peers and copies into place from what it received,
+    /// in fresh buffers (their first touch included), with the other ranks doing the same: the
+    /// memory work only reading once does.
+    pub copy: f64,
 }
 
 /// Predicted seconds of one load, read directly and read once.
@@ -201,7 +205,8 @@ pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>]) -> Vec<u64> {
 /// what a rank sends and receives, plus the round's fixed cost) overlaps the next round's reads
 /// (its slowest reader): `R(0) + sum_k max(X(k) + round, R(k + 1))`, with
 /// `R(k) = max_r read[r][k] / storage` (0 past the last round) and
-/// `X(k) = max_r moved[r][k] / exchange`.
+/// `X(k) = max_r max(sent, received)[r][k] / exchange + max_r (sent + received)[r][k] / copy`
+/// (the bytes packed for peers and copied into place from what came back).
 pub fn predict(direct: &[u64], plans: &[ReadPlan], rates: &Rates) -> Prediction {
     let per_s = |bytes: u64, rate: f64| if bytes == 0 { 0.0 } else { bytes as f64 / rate };
     let slowest = direct.iter().copied().max().unwrap_or(0);
@@ -220,6 +225,9 @@ pub fn predict(direct: &[u64], plans: &[ReadPlan], rates: &Rates) -> Prediction 
         per_s(
             slowest_of(&|r| total(&r.sends).max(total(&r.recvs)), k),
             rates.exchange,
+        ) + per_s(
+            slowest_of(&|r| total(&r.sends) + total(&r.recvs), k),
+            rates.copy,
         )
     };
     // Round k+1 is read while round k is exchanged (olmo_chunks.fill pipelines them).

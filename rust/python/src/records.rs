@@ -332,34 +332,43 @@ impl PyWriteItem {
 }
 
 /// What a load's time is predicted from (`core::coop::Rates`): bytes per second one rank reads
-/// from storage and moves in an all-to-all, and the fixed seconds of a read-once round.
+/// from storage, moves in an all-to-all and copies through fresh buffers, and the fixed seconds
+/// of a read-once round.
 #[pyclass(name = "Rates", module = "olmo_chunks._core", frozen, get_all)]
 pub struct PyRates {
     pub storage: f64,
     pub exchange: f64,
     pub round: f64,
+    pub copy: f64,
 }
 
 #[pymethods]
 impl PyRates {
     #[new]
-    fn new(storage: f64, exchange: f64, round: f64) -> PyResult<Self> {
+    fn new(storage: f64, exchange: f64, round: f64, copy: f64) -> PyResult<Self> {
         let positive = |x: f64| x.is_finite() && x > 0.0;
-        if !(positive(storage) && positive(exchange) && round.is_finite() && round >= 0.0) {
+        if !(positive(storage)
+            && positive(exchange)
+            && positive(copy)
+            && round.is_finite()
+            && round >= 0.0)
+        {
             return Err(bad(format!(
-                "rates must be positive and finite, got storage {storage}, exchange {exchange}, round {round}"
+                "rates must be positive and finite, got storage {storage}, exchange {exchange}, \
+                 round {round}, copy {copy}"
             )));
         }
         Ok(PyRates {
             storage,
             exchange,
             round,
+            copy,
         })
     }
     fn __repr__(&self) -> String {
         format!(
-            "Rates(storage={}, exchange={}, round={})",
-            self.storage, self.exchange, self.round
+            "Rates(storage={}, exchange={}, round={}, copy={})",
+            self.storage, self.exchange, self.round, self.copy
         )
     }
 }
@@ -370,6 +379,7 @@ impl PyRates {
             storage: self.storage,
             exchange: self.exchange,
             round: self.round,
+            copy: self.copy,
         }
     }
 }

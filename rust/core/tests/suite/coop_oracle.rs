@@ -139,19 +139,21 @@ proptest! {
         let once_reads: u64 = plans.iter().flat_map(|p| &p.rounds).map(|k| k.read_len()).sum();
         prop_assert_eq!(once_reads, wanted.keys().copied().map(block_len).sum::<u64>());
         prop_assert!(once_reads <= direct.iter().sum::<u64>());
-        let rates = coop::Rates { storage: 1e3, exchange: 4e3, round: 0.5 };
+        let rates = coop::Rates { storage: 1e3, exchange: 4e3, round: 0.5, copy: 8e3 };
         // Pipelined: round k+1's reads overlap round k's exchange; the first round's reads do not.
         let mut reads_s = vec![0.0; rounds + 1];
         let mut moves_s = vec![0.0; rounds];
+        let mut copies_s = vec![0.0; rounds];
         for k in 0..rounds {
             for p in &plans {
                 let bytes = |peers: &[(u32, Vec<coop::Span>)]| peers.iter().flat_map(|x| &x.1).map(|s| s.bytes()).sum::<u64>();
                 reads_s[k] = f64::max(reads_s[k], p.rounds[k].read_len() as f64 / 1e3);
                 moves_s[k] = f64::max(moves_s[k], bytes(&p.rounds[k].sends).max(bytes(&p.rounds[k].recvs)) as f64 / 4e3);
+                copies_s[k] = f64::max(copies_s[k], (bytes(&p.rounds[k].sends) + bytes(&p.rounds[k].recvs)) as f64 / 8e3);
             }
         }
         let once_s = if rounds == 0 { 0.0 } else {
-            reads_s[0] + (0..rounds).map(|k| f64::max(moves_s[k] + 0.5, reads_s[k + 1])).sum::<f64>()
+            reads_s[0] + (0..rounds).map(|k| f64::max(moves_s[k] + copies_s[k] + 0.5, reads_s[k + 1])).sum::<f64>()
         };
         let got = coop::predict(&direct, &plans, &rates);
         prop_assert!((got.once - once_s).abs() < 1e-9 && (got.direct - *direct.iter().max().unwrap() as f64 / 1e3).abs() < 1e-9);
