@@ -297,7 +297,7 @@ def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill],
         mine = group.scatter_bytes(plans) if group.size > 1 else plans[0]  # type: ignore[index]
     t0 = time.perf_counter()
     outcome.rounds, outcome.peak_bytes = load.run(mine, device)
-    if once_s is not None:  # rank 0's figures decide; every rank keeps them alike
+    if once_s is not None:  # every rank learns its own; rank 0's is the one that decides
         rates.learn_once((pg, device), time.perf_counter() - t0, once_s)
     return outcome
 
@@ -448,7 +448,8 @@ class _CooperativeLoad:
 
     def _read(self, k: int) -> _Round:
         """Round `k`'s buffers (with the stages it starts), its blocks read and what peers need of
-        them packed. The stages are allocated here, on the calling thread, before the reads."""
+        them packed. On the helper thread when read ahead: no other step touches the stages until
+        it is done."""
         for i in self.first.get(k, []):
             if i in self.fill_of:
                 f = self.fill_of[i]
