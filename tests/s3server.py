@@ -45,12 +45,12 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 class S3Server:
-    """moto's S3 server on a free port of 127.0.0.1."""
+    """moto's S3 server on a free port of 127.0.0.1 (`moto_server.py`: conditional writes atomic)."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, str(HERE / "moto_server.py"), "127.0.0.1", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_listening(self.port, self.proc)

@@ -35,22 +35,53 @@ pub struct Encoded {
 /// Byte `j` of element `i` goes to `j * n + i` (`n` whole elements; a tail shorter than an element
 /// is kept as it is).
 fn shuffle(src: &[u8], width: usize, dst: &mut Vec<u8>) {
-    let n = src.len() / width;
     dst.clear();
-    for j in 0..width {
-        dst.extend((0..n).map(|i| src[i * width + j]));
+    dst.resize(src.len(), 0);
+    match width {
+        2 => shuffle_w::<2>(src, dst),
+        4 => shuffle_w::<4>(src, dst),
+        8 => shuffle_w::<8>(src, dst),
+        _ => unreachable!("shuffle width {width}"),
     }
-    dst.extend_from_slice(&src[n * width..]);
 }
 
 fn unshuffle(src: &[u8], width: usize, dst: &mut [u8]) {
-    let n = src.len() / width;
-    for j in 0..width {
-        for i in 0..n {
-            dst[i * width + j] = src[j * n + i];
+    match width {
+        2 => unshuffle_w::<2>(src, dst),
+        4 => unshuffle_w::<4>(src, dst),
+        8 => unshuffle_w::<8>(src, dst),
+        _ => unreachable!("shuffle width {width}"),
+    }
+}
+
+/// [`shuffle`] for a width known at compile time: one pass over the elements, writing `W` plane
+/// streams.
+fn shuffle_w<const W: usize>(src: &[u8], dst: &mut [u8]) {
+    let n = src.len() / W;
+    let (body, tail) = dst.split_at_mut(n * W);
+    if n > 0 {
+        let mut it = body.chunks_exact_mut(n);
+        let planes: [&mut [u8]; W] = std::array::from_fn(|_| it.next().unwrap());
+        for (i, elem) in src.chunks_exact(W).enumerate() {
+            for j in 0..W {
+                planes[j][i] = elem[j];
+            }
         }
     }
-    dst[n * width..].copy_from_slice(&src[n * width..]);
+    tail.copy_from_slice(&src[n * W..]);
+}
+
+/// [`unshuffle`] for a width known at compile time: one pass over the elements, reading `W` plane
+/// streams.
+fn unshuffle_w<const W: usize>(src: &[u8], dst: &mut [u8]) {
+    let n = src.len() / W;
+    let planes: [&[u8]; W] = std::array::from_fn(|j| &src[j * n..(j + 1) * n]);
+    for (i, out) in dst[..n * W].chunks_exact_mut(W).enumerate() {
+        for j in 0..W {
+            out[j] = planes[j][i];
+        }
+    }
+    dst[n * W..].copy_from_slice(&src[n * W..]);
 }
 
 /// One block as stored: the zstd frame of (shuffled) `raw` if it is shorter, else `raw`.
@@ -61,10 +92,29 @@ fn encode_block(raw: &[u8], shuffle_width: u8, level: i32, tmp: &mut Vec<u8>) ->
         shuffle(raw, shuffle_width as usize, tmp);
         &tmp[..]
     };
-    match zstd::bulk::compress(input, level) {
+    match compress(input, level) {
         Ok(frame) if frame.len() < raw.len() => frame,
         _ => raw.to_vec(),
     }
+}
+
+thread_local! {
+    /// Each I/O worker's zstd contexts, reused for every block it handles (a context costs
+    /// allocations and table setup per use otherwise).
+    static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn compress(input: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
+    COMPRESSOR.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.as_ref().is_none_or(|(l, _)| *l != level) {
+            *slot = Some((level, zstd::bulk::Compressor::new(level)?));
+        }
+        slot.as_mut().unwrap().1.compress(input)
+    })
 }
 
 /// The shuffle width among [`SHUFFLES`] that stores `first_block` (a chunk's) smallest.
@@ -155,7 +205,15 @@ fn decompress_exact(frame: &[u8], dst: &mut [u8]) -> Result<usize, String> {
         }
         _ => return Err(bad("no content size")),
     }
-    zstd::bulk::decompress_to_buffer(frame, dst).map_err(|e| bad(&e.to_string()))
+    DECOMPRESSOR
+        .with(|cell| {
+            let mut slot = cell.borrow_mut();
+            if slot.is_none() {
+                *slot = Some(zstd::bulk::Decompressor::new()?);
+            }
+            slot.as_mut().unwrap().decompress_to_buffer(frame, dst)
+        })
+        .map_err(|e| bad(&e.to_string()))
 }
 
 #[cfg(test)]
@@ -229,6 +287,29 @@ mod tests {
         let mut back = vec![0; 23];
         unshuffle(&s, 4, &mut back);
         assert_eq!(back, src);
+    }
+
+    proptest::proptest! {
+        /// Against the definition, for every width and length (tails included).
+        #[test]
+        fn shuffle_is_the_byte_plane_transpose(
+            src in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            width in proptest::sample::select(vec![2usize, 4, 8]),
+        ) {
+            let n = src.len() / width;
+            let mut s = Vec::new();
+            shuffle(&src, width, &mut s);
+            proptest::prop_assert_eq!(s.len(), src.len());
+            for i in 0..n {
+                for j in 0..width {
+                    proptest::prop_assert_eq!(s[j * n + i], src[i * width + j]);
+                }
+            }
+            proptest::prop_assert_eq!(&s[n * width..], &src[n * width..]);
+            let mut back = vec![0xA5; src.len()];
+            unshuffle(&s, width, &mut back);
+            proptest::prop_assert_eq!(back, src);
+        }
     }
 
     #[test]

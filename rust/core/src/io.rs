@@ -482,60 +482,59 @@ pub fn read_from(
             .flat_map(|u| &u.parts)
             .map(|p| p.1.len() as u64)
             .sum();
-        with_scratch(|scratch| {
-            scratch.resize((end - begin - wanted) as usize, 0);
-            let mut spare: &mut [u8] = &mut scratch[..];
-            let mut segs: Vec<&mut [u8]> = Vec::new();
-            let mut owner: Vec<Option<usize>> = Vec::new(); // the unit each segment belongs to
-            let mut pos = begin;
-            for (i, u) in units.iter_mut().enumerate() {
-                let (base, _) = at(&spans[i]);
-                if base > pos {
-                    segs.push(split_off(&mut spare, base - pos));
-                    owner.push(None);
-                }
-                let mut done = 0u64;
-                for (off, dst) in u.parts.iter_mut() {
-                    if *off > done {
-                        segs.push(split_off(&mut spare, *off - done));
-                        owner.push(Some(i));
-                    }
-                    done = *off + dst.len() as u64;
-                    segs.push(&mut **dst);
+        // Its own scratch, freed after: the pool keeps buffers of one unit at most.
+        let mut scratch = vec![0u8; (end - begin - wanted) as usize];
+        let mut spare: &mut [u8] = &mut scratch[..];
+        let mut segs: Vec<&mut [u8]> = Vec::new();
+        let mut owner: Vec<Option<usize>> = Vec::new(); // the unit each segment belongs to
+        let mut pos = begin;
+        for (i, u) in units.iter_mut().enumerate() {
+            let (base, _) = at(&spans[i]);
+            if base > pos {
+                segs.push(split_off(&mut spare, base - pos));
+                owner.push(None);
+            }
+            let mut done = 0u64;
+            for (off, dst) in u.parts.iter_mut() {
+                if *off > done {
+                    segs.push(split_off(&mut spare, *off - done));
                     owner.push(Some(i));
                 }
-                if u.end - u.start > done {
-                    segs.push(split_off(&mut spare, u.end - u.start - done));
-                    owner.push(Some(i));
-                }
-                pos = base + (u.end - u.start);
+                done = *off + dst.len() as u64;
+                segs.push(&mut **dst);
+                owner.push(Some(i));
             }
-            if !verify {
-                return f.read_exact_at(&mut segs, begin).map_err(err);
+            if u.end - u.start > done {
+                segs.push(split_off(&mut spare, u.end - u.start - done));
+                owner.push(Some(i));
             }
-            let lens: Vec<usize> = segs.iter().map(|s| s.len()).collect();
-            let mut checks: Vec<BlockCheck<'_>> = spans
-                .iter()
-                .map(|&(c, s, e)| BlockCheck::new(m, c, &m.chunks[c], s, e, path))
-                .collect();
-            let (mut seg, mut left) = (0usize, lens[0]);
-            f.read_exact_at_seen(&mut segs, begin, &mut |mut b: &[u8]| {
-                while !b.is_empty() {
-                    while left == 0 {
-                        seg += 1;
-                        left = lens[seg];
-                    }
-                    let n = b.len().min(left);
-                    if let Some(i) = owner[seg] {
-                        checks[i].feed(&b[..n]);
-                    }
-                    left -= n;
-                    b = &b[n..];
+            pos = base + (u.end - u.start);
+        }
+        if !verify {
+            return f.read_exact_at(&mut segs, begin).map_err(err);
+        }
+        let lens: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+        let mut checks: Vec<BlockCheck<'_>> = spans
+            .iter()
+            .map(|&(c, s, e)| BlockCheck::new(m, c, &m.chunks[c], s, e, path))
+            .collect();
+        let (mut seg, mut left) = (0usize, lens[0]);
+        f.read_exact_at_seen(&mut segs, begin, &mut |mut b: &[u8]| {
+            while !b.is_empty() {
+                while left == 0 {
+                    seg += 1;
+                    left = lens[seg];
                 }
-            })
-            .map_err(err)?;
-            checks.into_iter().try_for_each(BlockCheck::finish)
+                let n = b.len().min(left);
+                if let Some(i) = owner[seg] {
+                    checks[i].feed(&b[..n]);
+                }
+                left -= n;
+                b = &b[n..];
+            }
         })
+        .map_err(err)?;
+        checks.into_iter().try_for_each(BlockCheck::finish)
     };
     run_parallel(requests, workers, |mut units: Vec<Unit<'_>>| {
         if units.len() == 1 {
