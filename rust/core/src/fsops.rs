@@ -161,11 +161,13 @@ pub fn create(path: &Path, exclusive: bool) -> std::io::Result<File> {
     Ok(f)
 }
 
-/// A new file `path` (`O_EXCL`) holding `bytes`, fsynced.
-pub fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// A new file `path` (`O_EXCL`) holding `bytes`, fsynced; the open file (its metadata is the
+/// new file's, whatever `path` names by then).
+pub fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<File> {
     let f = create(path, true)?;
     write_at(&f, path, bytes, 0)?;
-    sync(&f, path)
+    sync(&f, path)?;
+    Ok(f)
 }
 
 /// `pwrite` of all of `data` at `offset` into `file` (which is `path`).

@@ -582,8 +582,10 @@ impl Storage for LocalFs {
             }
             let _ = fsops::remove_file(&aside);
         }
+        // The version of the file written, from its own handle: a racing writer may move the
+        // name aside for a moment (and put it back) right after.
         match fsops::write_new(&path, bytes) {
-            Ok(()) => Ok(self.stat(&path)?.map(|h| h.version)),
+            Ok(f) => Ok(Some(local_head(&f.metadata().map_err(io)?).version)),
             Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(None),
             Err(e) => Err(io(e)),
         }
