@@ -401,7 +401,8 @@ class _CooperativeLoad:
                     break
                 assert cur is not None and exchange is not None
                 exchange.start()
-                ahead = k + 1 < ro.rounds and cur.sizes.total + _outgoing(ro.round_bytes(k + 1)) <= STAGING_BYTES
+                following = _outgoing(ro.round_bytes(k + 1)) if k + 1 < ro.rounds else 0
+                ahead = k + 1 < ro.rounds and cur.sizes.total + following <= STAGING_BYTES
                 pending = pool.submit(self._attempt, self._read, k + 1) if ahead else None
                 try:
                     recv = exchange.finish()
@@ -409,7 +410,7 @@ class _CooperativeLoad:
                     if pending is not None:
                         nxt = pending.result()
                 self._attempt(self._fill, k, cur, recv)
-                held = max(held, cur.sizes.total + (_outgoing(ro.round_bytes(k + 1)) if ahead else 0))
+                held = max(held, cur.sizes.total + (following if ahead else 0))
                 if k + 1 < ro.rounds and not ahead:
                     nxt = self._attempt(self._read, k + 1)
         if not stopped:
