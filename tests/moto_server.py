@@ -3,10 +3,14 @@ atomic, as S3 makes them: moto checks a PUT's `If-None-Match` / `If-Match` and t
 nothing held in between, so two racing conditional PUTs of one key could both win (seen once in
 the backend suite's race of 8 under load). Requests that carry a condition are serialised here.
 
-Usage: python tests/moto_server.py HOST PORT"""
+With CLOCK_OFFSET (seconds), the server's clock, which stamps every object's Last-Modified, runs
+that far from this machine's: a writer's clock and the server's need not agree.
+
+Usage: python tests/moto_server.py HOST PORT [CLOCK_OFFSET]"""
 
 from __future__ import annotations
 
+import datetime
 import sys
 import threading
 from typing import Any
@@ -15,7 +19,13 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoReque
 from werkzeug.serving import run_simple
 
 
-def main(host: str, port: int) -> None:
+def main(host: str, port: int, clock_offset: float = 0.0) -> None:
+    if clock_offset:
+        import moto.s3.models
+        from moto.core.utils import utcnow
+
+        skew = datetime.timedelta(seconds=clock_offset)
+        moto.s3.models.utcnow = lambda: utcnow() + skew  # type: ignore[attr-defined]
     app = DomainDispatcherApplication(create_backend_app)
     conditional = threading.Lock()
 
@@ -29,4 +39,4 @@ def main(host: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)

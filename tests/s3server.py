@@ -45,12 +45,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 class S3Server:
-    """moto's S3 server on a free port of 127.0.0.1 (`moto_server.py`: conditional writes atomic)."""
+    """moto's S3 server on a free port of 127.0.0.1 (`moto_server.py`: conditional writes atomic),
+    its clock `clock_offset` seconds from this machine's."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock_offset: float = 0.0) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "moto_server.py"), "127.0.0.1", str(self.port)],
+            [sys.executable, str(HERE / "moto_server.py"), "127.0.0.1", str(self.port), str(clock_offset)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_listening(self.port, self.proc)

@@ -73,9 +73,9 @@ def test_multipart_objects_round_trip_bit_exact_and_count_their_requests(s3, buc
     assert s3.client().head_object(Bucket=bucket, Key=obj)["ContentLength"] == m.files[0].size
     assert after[1] - before[1] >= m.files[0].size
     # lease PUT, manifest HEAD, LIST of data/, LIST of the prefix's top level (leftovers); data
-    # HEAD (must not exist), multipart create, 3 parts, complete; lease GET, manifest PUT; LIST of
-    # superseded data; lease GET and DELETE
-    assert after[2] - before[2] == 15
+    # HEAD (must not exist), multipart create, the upload's marker PUT, 3 parts, complete, marker
+    # DELETE; lease GET, manifest PUT; LIST of superseded data; lease GET and DELETE
+    assert after[2] - before[2] == 17
     back = {"w": torch.zeros(5_000_000), "b": torch.zeros(3, 7), "step": 0}
     olmo_chunks.load(back, url)
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["step"] == 1
@@ -292,6 +292,79 @@ def test_a_server_killed_mid_save_fails_every_rank_and_keeps_the_previous_checkp
     assert _relayed(s3, port, env, save_and_report, url, 30)[0] == ["ok", "ok"]
     m = _core.Manifest.open(url)
     assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"k/{f.path}" for f in m.files)
+
+
+def save_parts_and_report(url: str, seed: int) -> str:
+    """Saves 24 MB (a data object of two 8 MiB parts on each of 2 ranks), as `save_and_report`."""
+    try:
+        olmo_chunks.save(_state(seed, 6_000_000), url, overwrite=True, peer_timeout=3.0)
+    except OlmoChunksError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def test_a_writer_killed_mid_upload_has_its_multipart_uploads_aborted_by_the_next_save(s3, bucket):
+    url = f"s3://{bucket}/mp"
+    port = free_port()
+    env = s3.env(port, OLMO_CHUNKS_RETRY_TIMEOUT="2")
+    client = s3.client()
+
+    def uploads() -> list[str]:
+        return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix="mp/").get("Uploads", []))
+
+    # The relay dies inside the first parts: no writer can complete or abort its upload.
+    results, code = _relayed(s3, port, env, save_parts_and_report, url, 1, die_after=10_000_000)
+    assert code == 17 and all(r != "ok" for r in results), results
+    left = uploads()
+    markers = [k for k in s3.keys(bucket) if k.endswith(".upload")]
+    print(f"\nkilled mid-upload: {len(left)} incomplete uploads, {len(markers)} markers left")
+    assert left and sorted(k + ".upload" for k in left) == markers
+    time.sleep(3.5)  # the dead save's lease lapses
+    assert _relayed(s3, port, env, save_parts_and_report, url, 2)[0] == ["ok", "ok"]
+    assert uploads() == []
+    m = _core.Manifest.open(url)
+    assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"mp/{f.path}" for f in m.files)
+    assert load_parts(url, 2)
+
+
+def load_parts(url: str, seed: int) -> bool:
+    back = {"w": torch.zeros(6_000_000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    return torch.equal(back["w"], _state(seed, 6_000_000)["w"]) and back["step"] == seed
+
+
+@pytest.mark.parametrize("offset", [-3600.0, 3600.0])
+def test_a_lease_is_judged_on_the_servers_clock_not_the_writers(offset, monkeypatch):
+    """A server an hour behind the writer (which then saw every lease as an hour old, and broke
+    live ones) or an hour ahead (no lease ever lapsed): a live lease holds, a dead one lapses after
+    its timeout."""
+    from tests.s3server import S3Server
+
+    server = S3Server(clock_offset=offset)
+    try:
+        bucket = server.bucket()
+        url = f"s3://{bucket}/clock"
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        client = server.client()
+        head = client.head_object
+        begin = _core.SaveTransaction.begin
+        held = begin(url, False, 2.0)
+        with pytest.raises(CheckpointLockedError, match="another save holds its lease"):
+            begin(url, False, 2.0)
+        stamped = head(Bucket=bucket, Key="clock/.olmo_chunks.lease")["LastModified"].timestamp()
+        assert abs(stamped - time.time() - offset) < 60  # the server's clock is skewed
+        # A dead writer's lease, from another machine: no heartbeat for more than its timeout.
+        held.abort()
+        client.put_object(Bucket=bucket, Key="clock/.olmo_chunks.lease", Body=b'{"host": "elsewhere"}')
+        with pytest.raises(CheckpointLockedError, match="another save holds its lease"):
+            begin(url, False, 2.0)
+        time.sleep(3.2)
+        taker = begin(url, False, 2.0)
+        assert not [k for k in server.keys(bucket) if ".olmo_chunks.clock-" in k]  # probes removed
+        taker.abort()
+    finally:
+        server.close()
 
 
 def timed_save(url: str, seed: int) -> tuple[str, float]:

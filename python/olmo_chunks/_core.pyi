@@ -35,6 +35,8 @@ __all__ = [
     "flat_pieces",
     "io_counters",
     "object_store_counters",
+    "object_store_get_raw",
+    "object_store_put_raw",
     "open_beneath",
     "pace_read",
     "plan_read_once",
@@ -384,6 +386,12 @@ def write_chunks(
 ) -> list[WrittenChunk]: ...
 def object_store_counters(url: str) -> tuple[int, int, int]:
     """`(bytes_read, bytes_written, requests)` this process moved to and from the bucket of `url`."""
+
+def object_store_put_raw(url: str, rel: str, size: int, concurrency: int) -> None:
+    """Uploads object `rel` of `size` bytes at `url` with object_store alone (the save roofline)."""
+
+def object_store_get_raw(url: str, ranges: list[tuple[str, int, int]], concurrency: int) -> int:
+    """Reads `(rel, offset, len)` ranges at `url` with object_store alone (the load roofline)."""
 
 @final
 class SaveTransaction:

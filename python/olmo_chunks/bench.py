@@ -292,26 +292,34 @@ def _raw_write(path: str, buf: torch.Tensor) -> None:
         os.close(dfd)
 
 
+def _ranges(files: list[tuple[str, int]], start: int, length: int) -> list[tuple[str, int, int]]:
+    """`(file, offset, len)` of bytes `start .. start + length` of the concatenation of `files`."""
+    out, base = [], 0
+    for path, size in files:
+        lo, hi = max(start, base), min(start + length, base + size)
+        if lo < hi:
+            out.append((path, lo - base, hi - lo))
+        base += size
+    return out
+
+
 def _raw_read(files: list[tuple[str, int]], start: int, out: torch.Tensor) -> None:
     """Reads bytes `start .. start + len(out)` of the concatenation of `files` into `out`."""
     mv = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
-    pos, base = 0, 0
-    for path, size in files:
-        lo, hi = max(start, base), min(start + len(mv), base + size)
-        if lo < hi:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                off = lo
-                while off < hi:
-                    n = os.preadv(fd, [mv[pos : pos + min(hi - off, 64 << 20)]], off - base)
-                    if n <= 0:
-                        raise OSError(f"{path}: short read")
-                    _account(n)
-                    off += n
-                    pos += n
-            finally:
-                os.close(fd)
-        base += size
+    pos = 0
+    for path, lo, n_bytes in _ranges(files, start, len(mv)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off, hi = lo, lo + n_bytes
+            while off < hi:
+                n = os.preadv(fd, [mv[pos : pos + min(hi - off, 64 << 20)]], off)
+                if n <= 0:
+                    raise OSError(f"{path}: short read")
+                _account(n)
+                off += n
+                pos += n
+        finally:
+            os.close(fd)
 
 
 _python_reads = 0  # bytes read from storage outside the core (DCP's reader, the raw read)
@@ -428,12 +436,14 @@ def _save_step(method: str, held: _Held | None, path: str, raw_file: tuple[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from . import checkpoint
+    from . import _core, checkpoint
     from .dcp import ChunkStoreWriter
 
-    method = method.removesuffix(URL_SUFFIX)
     if held is None:
         return timed(lambda: None)
+    if method == RAW_URL:
+        return timed(lambda: _core.object_store_put_raw(path, os.path.basename(raw_file[0]), raw_file[1], 0))
+    method = method.removesuffix(URL_SUFFIX)
     if method == "raw":
         return timed(lambda: _raw_write(raw_file[0], raw_buf[: raw_file[1]]))
     if method == "native":
@@ -506,12 +516,15 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
     """Seconds of one resharded load into `held` (ranks outside the layout only wait)."""
     import torch.distributed.checkpoint as dcp
 
-    from . import checkpoint
+    from . import _core, checkpoint
     from .dcp import ChunkStoreReader, FastLoadPlanner
 
-    method = method.removesuffix(URL_SUFFIX)
     if held is None:
         return timed(lambda: None)
+    if method == RAW_URL:
+        ranges = [(os.path.basename(p), off, n) for p, off, n in _ranges(raw_files, *share)]
+        return timed(lambda: _core.object_store_get_raw(path, ranges, 0))
+    method = method.removesuffix(URL_SUFFIX)
     if method == "raw":
         out = torch.zeros(share[1], dtype=torch.uint8)
         peak.start = _status("VmRSS")  # the destination is not extra
@@ -540,6 +553,7 @@ def _base(method: str) -> str:
 
 
 URL_SUFFIX = "@url"
+RAW_URL = f"raw{URL_SUFFIX}"  # the same bytes moved with object_store alone: the object store's roofline
 
 
 def _requests(url: str | None) -> int:
@@ -571,7 +585,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
     dcp_threads = _dcp_thread_counts(opts)
     contenders = ["native", "ours-dcp", *(f"dcp-fs t={t}" for t in dcp_threads)]
     if opts.url:
-        contenders += [f"native{URL_SUFFIX}", f"ours-dcp{URL_SUFFIX}"]
+        contenders += [RAW_URL, f"native{URL_SUFFIX}", f"ours-dcp{URL_SUFFIX}"]
     records: list[dict[str, Any]] = []
 
     def record(kind: str, where: str, method: str, seconds: float, rss: int, requests: int = 0,
@@ -631,7 +645,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                                                  _share(total, b.ranks, rank), groups[b.ranks], peak)
                     finally:
                         _core.set_read_pace(0)
-                    if dst is not None and method != "raw" and rep == 0 and opts.verify:
+                    if dst is not None and method not in ("raw", RAW_URL) and rep == 0 and opts.verify:
                         _check(dst, f"{name} {method}")
                     record("load", name, method, seconds, peak.extra, _requests(opts.url) - sent,
                            _storage_reads() - before)
@@ -681,12 +695,14 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
         for row in group:
             by_where.setdefault(row["where"], []).append(row)
         for where_rows in by_where.values():
-            roof = next(r for r in where_rows if r["method"] == "raw")["gbps"]
+            roofs = {r["method"]: r["gbps"] for r in where_rows if r["method"] in ("raw", RAW_URL)}
             dcp_rows = [r for r in where_rows if r["method"].startswith("dcp")]
             dcp_best = max(r["gbps"] for r in dcp_rows) if dcp_rows else None
             modes = [r["gbps"] for r in where_rows if r["method"] in ("native-once", "native-direct")]
             for row in where_rows:
-                row["of_roofline"] = row["gbps"] / roof
+                # an object store's rows against the same bytes moved with object_store alone
+                at_url = row["method"].endswith(URL_SUFFIX) and RAW_URL in roofs
+                row["of_roofline"] = row["gbps"] / roofs[RAW_URL if at_url else "raw"]
                 row["x_dcp"] = row["gbps"] / dcp_best if dcp_best else None
                 if row["method"] == "native" and modes:
                     row["of_best_mode"] = row["gbps"] / max(modes)
@@ -748,6 +764,8 @@ def _name(method: str, kind: str) -> str:
     if method == "raw":
         return {"save": "roofline: raw write+fsync", "load": "roofline: raw read",
                 "stage": "roofline: memcpy", "stall": "roofline: memcpy"}[kind]
+    if method == RAW_URL:
+        return {"save": "roofline: object_store PUTs @url", "load": "roofline: object_store GETs @url"}[kind]
     if kind == "stall":
         return {"native": "olmo_chunks save (sync)", "native-async": "olmo_chunks async_save",
                 "dcp-async": "DCP async_save (FileSystemWriter)"}[method]
@@ -777,7 +795,8 @@ def format_table(res: dict[str, Any]) -> str:
         "of the worst rank during the step, beyond the state it saves from / loads into",
     ]
     if res.get("url"):
-        lines.append(f"@url rows: {res['url']}/bench (requests: total, then per rank, of the first repetition)")
+        lines.append(f"@url rows: {res['url']}/bench (requests: total, then per rank, of the first repetition; "
+                     "'of roof' against the object_store rows)")
     head = f"  {'':<38} {'GB/s':>7} {'x DCP':>7} {'of roof':>8} {'best s':>8} {'RSS MiB':>8} {'read x':>7}"
 
     def row(r: dict[str, Any], kind: str) -> str:

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::Result;
 use crate::storage::{
@@ -164,6 +164,9 @@ impl Storage for Paced {
     }
     fn touch_if(&self, rel: &str, bytes: &[u8], version: &Version) -> Result<Option<Version>> {
         self.inner.touch_if(rel, bytes, version)
+    }
+    fn clock(&self) -> Result<SystemTime> {
+        self.inner.clock()
     }
 }
 

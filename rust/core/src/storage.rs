@@ -237,6 +237,11 @@ pub trait Storage: Send + Sync {
     fn touch_if(&self, rel: &str, _bytes: &[u8], _version: &Version) -> Result<Option<Version>> {
         no_txn(self, rel)
     }
+    /// Now, on the clock this storage stamps [`Head::modified`] with: this process's, for a
+    /// storage whose times it writes itself.
+    fn clock(&self) -> Result<SystemTime> {
+        Ok(SystemTime::now())
+    }
 }
 
 /// A directory of a local or shared filesystem.

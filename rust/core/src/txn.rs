@@ -34,6 +34,13 @@ pub const TMP_PREFIX: &str = ".olmo_chunks.manifest.tmp-";
 pub const STALE_LEASE_PREFIX: &str = ".olmo_chunks.lease.stale-";
 /// Data of one save lives in `data/<save_id>/`.
 pub const DATA_DIR: &str = "data";
+/// While data object `<name>` is a multipart upload in progress, `<name>` + this holds the
+/// upload's id (object stores only), so that the cleanup of a writer killed mid-upload can abort
+/// it: object stores keep an incomplete upload's parts (and bill them) until it is aborted.
+pub const UPLOAD_SUFFIX: &str = ".upload";
+/// A probe object `<this><save_id>`, written and removed to read the storage's clock (the time it
+/// stamps objects with), against which a lease's age is judged.
+pub const CLOCK_PREFIX: &str = ".olmo_chunks.clock-";
 
 /// How a save treats the directory it writes to.
 #[derive(Clone, Copy, Debug)]
@@ -84,6 +91,11 @@ pub(crate) fn is_data_file(name: &str) -> bool {
         && word.bytes().all(|b| b.is_ascii_lowercase())
         && !num.is_empty()
         && num.bytes().all(|b| b.is_ascii_digit() || b == b'-')
+}
+
+/// True for the names of the markers of uploads in progress: a data file's name + [`UPLOAD_SUFFIX`].
+pub(crate) fn is_upload_marker(name: &str) -> bool {
+    name.strip_suffix(UPLOAD_SUFFIX).is_some_and(is_data_file)
 }
 
 /// A fresh save id from the kernel's random source.
@@ -412,7 +424,10 @@ fn acquire(s: &dyn Storage, token: &str, timeout: Duration) -> Result<Version> {
             continue;
         };
         let held = String::from_utf8_lossy(&held).into_owned();
-        let age = SystemTime::now()
+        // The heartbeat's age on the clock that stamped it: a writer whose clock runs ahead of
+        // the server's must not break a live lease.
+        let age = s
+            .clock()?
             .duration_since(head.modified)
             .unwrap_or(Duration::ZERO);
         if age <= timeout && !owner_is_dead_here(&held) {
@@ -464,7 +479,7 @@ impl Saves {
             let good = is_save_id(id)
                 && match (&e, file) {
                     (Entry::Dir(_), None) => true,
-                    (Entry::Object(_), Some(f)) => is_data_file(f),
+                    (Entry::Object(_), Some(f)) => is_data_file(f) || is_upload_marker(f),
                     _ => false,
                 };
             let id = id.to_string();
@@ -512,7 +527,7 @@ impl Saves {
     }
 }
 
-/// Removes the temp manifests and moved-aside leases that saves which died left.
+/// Removes the temp manifests, moved-aside leases and clock probes that saves which died left.
 fn remove_leftover_files(s: &dyn Storage) {
     let Ok(entries) = s.list("", false) else {
         return;
@@ -521,7 +536,7 @@ fn remove_leftover_files(s: &dyn Storage) {
         let Entry::Object(name) = e else {
             continue;
         };
-        let leftover = [TMP_PREFIX, STALE_LEASE_PREFIX]
+        let leftover = [TMP_PREFIX, STALE_LEASE_PREFIX, CLOCK_PREFIX]
             .iter()
             .any(|prefix| name.strip_prefix(prefix).is_some_and(is_save_id));
         if leftover {
@@ -575,5 +590,8 @@ mod tests {
         assert!(!is_data_file("train.jsonl"));
         assert!(!is_data_file("rank.bin"));
         assert!(!is_data_file("-1.bin"));
+        assert!(is_upload_marker("rank-00003-001.bin.upload"));
+        assert!(!is_upload_marker("rank-00003.bin"));
+        assert!(!is_upload_marker("notes.upload"));
     }
 }

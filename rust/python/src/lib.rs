@@ -1356,6 +1356,35 @@ fn codec_name(c: core::Codec) -> &'static str {
     }
 }
 
+/// Uploads object `rel` of `size` bytes at `url` with object_store alone, `concurrency` parts in
+/// flight: the benchmark's roofline for saves.
+#[pyfunction]
+fn object_store_put_raw(
+    py: Python<'_>,
+    url: &str,
+    rel: &str,
+    size: u64,
+    concurrency: usize,
+) -> PyResult<()> {
+    detach(py, || {
+        core::object::ObjectStorage::open(url)?.raw_put(rel, size, concurrency)
+    })
+}
+
+/// Reads `(rel, offset, len)` ranges at `url` with object_store alone, `concurrency` ranged GETs
+/// in flight; returns the bytes read: the benchmark's roofline for loads.
+#[pyfunction]
+fn object_store_get_raw(
+    py: Python<'_>,
+    url: &str,
+    ranges: Vec<(String, u64, u64)>,
+    concurrency: usize,
+) -> PyResult<u64> {
+    detach(py, || {
+        core::object::ObjectStorage::open(url)?.raw_get(&ranges, concurrency)
+    })
+}
+
 /// What this process moved to and from the bucket of URL `url`: `(bytes_read, bytes_written,
 /// requests)` (requests sent, retries of one not counted).
 #[pyfunction]
@@ -1401,6 +1430,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pace_read, m)?)?;
     m.add_function(wrap_pyfunction!(read_pace, m)?)?;
     m.add_function(wrap_pyfunction!(object_store_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(object_store_put_raw, m)?)?;
+    m.add_function(wrap_pyfunction!(object_store_get_raw, m)?)?;
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;

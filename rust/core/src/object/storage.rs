@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
-use futures_util::TryStreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{
     GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
@@ -19,6 +20,7 @@ use crate::error::{CoreError, Result};
 use crate::storage::{
     Entry, Head, HeadCheck, IoCounters, Object, PutIf, ReadMerge, Storage, Version,
 };
+use crate::txn::{CLOCK_PREFIX, MAX_LEASE_LEN, UPLOAD_SUFFIX};
 
 /// A prefix of a bucket, holding one checkpoint.
 #[derive(Clone)]
@@ -216,6 +218,97 @@ impl ObjectStorage {
     }
 }
 
+/// Plain transfers with `object_store` itself, for the benchmark's roofline: what the same bytes
+/// cost as one client moves them, in requests of [`PART_SIZE`] bytes, `concurrency` in flight
+/// (0: as many as a load has I/O workers).
+impl ObjectStorage {
+    /// Uploads object `rel` of `size` bytes (of no meaning): one PUT if it fits in a part, else a
+    /// multipart upload.
+    pub fn raw_put(&self, rel: &str, size: u64, concurrency: usize) -> Result<()> {
+        let key = self.key(rel);
+        let part = PART_SIZE.min(size.max(1)) as usize;
+        let full = PutPayload::from(vec![0x5A_u8; part]);
+        let concurrency = workers(concurrency);
+        let counters = &self.bucket.counters;
+        let store = &self.bucket.store;
+        let done: object_store::Result<()> = self.runtime.block_on(async {
+            if size <= PART_SIZE {
+                store
+                    .put(&key, PutPayload::from(vec![0x5A_u8; size as usize]))
+                    .await?;
+                counters.requests.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            let mut upload = store.put_multipart(&key).await?;
+            let mut parts = Vec::new();
+            let mut left = size as usize;
+            while left > 0 {
+                let n = left.min(part);
+                let payload = if n == part {
+                    full.clone()
+                } else {
+                    PutPayload::from(vec![0x5A_u8; n])
+                };
+                parts.push(upload.put_part(payload));
+                left -= n;
+            }
+            let n = parts.len() as u64;
+            futures_util::stream::iter(parts)
+                .buffer_unordered(concurrency)
+                .try_collect::<Vec<()>>()
+                .await?;
+            upload.complete().await?;
+            counters.requests.fetch_add(n + 2, Ordering::Relaxed);
+            Ok(())
+        });
+        done.map_err(|e| self.err(rel, e))?;
+        counters.add_written(size);
+        Ok(())
+    }
+
+    /// Reads `(rel, offset, len)` ranges in ranged GETs of at most [`PART_SIZE`] bytes; returns
+    /// the bytes read (dropped as they arrive).
+    pub fn raw_get(&self, ranges: &[(String, u64, u64)], concurrency: usize) -> Result<u64> {
+        let mut gets = Vec::new();
+        for (rel, offset, len) in ranges {
+            let key = self.key(rel);
+            let mut at = *offset;
+            while at < offset + len {
+                let end = (at + PART_SIZE).min(offset + len);
+                gets.push((key.clone(), at..end));
+                at = end;
+            }
+        }
+        let store = &self.bucket.store;
+        let n = gets.len() as u64;
+        let concurrency = workers(concurrency);
+        let got: object_store::Result<Vec<usize>> =
+            self.runtime.block_on(
+                futures_util::stream::iter(gets)
+                    .map(|(key, range)| async move {
+                        store.get_range(&key, range).await.map(|b| b.len())
+                    })
+                    .buffer_unordered(concurrency)
+                    .try_collect(),
+            );
+        let read = got.map_err(|e| self.err("", e))?.iter().sum::<usize>() as u64;
+        self.bucket
+            .counters
+            .requests
+            .fetch_add(n, Ordering::Relaxed);
+        self.bucket.counters.add_read(read);
+        Ok(read)
+    }
+}
+
+fn workers(concurrency: usize) -> usize {
+    if concurrency == 0 {
+        crate::io::default_workers()
+    } else {
+        concurrency
+    }
+}
+
 fn head_of(meta: ObjectMeta) -> Head {
     Head {
         version: Version {
@@ -303,10 +396,16 @@ impl Storage for ObjectStorage {
             self.part_size
         };
         let key = self.key(rel);
+        let marker = format!("{rel}{UPLOAD_SUFFIX}");
         let upload = if size > part {
             let id = self
                 .block_on(self.bucket.multipart.create_multipart(&key))
                 .map_err(|e| self.err(rel, e))?;
+            // Recorded before any part goes up, for the cleanup of a writer killed mid-upload.
+            if let Err(e) = self.put(&marker, id.as_bytes(), PutMode::Overwrite) {
+                let _ = self.block_on(self.bucket.multipart.abort_multipart(&key, &id));
+                return Err(e);
+            }
             Some(id)
         } else {
             None
@@ -315,6 +414,7 @@ impl Storage for ObjectStorage {
         Ok(Box::new(RemoteWriter {
             storage: self.clone(),
             key,
+            marker: self.key(&marker),
             size,
             part,
             upload: Mutex::new(upload),
@@ -389,6 +489,47 @@ impl Storage for ObjectStorage {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.err(rel, e)),
         }
+    }
+
+    /// Also aborts the multipart uploads whose markers ([`UPLOAD_SUFFIX`]) are below `prefix`:
+    /// those of a writer killed mid-upload, whose parts the store would otherwise keep. A marker
+    /// is read only if it is as small as an upload id can be.
+    fn delete_all(&self, prefix: &str) -> Result<()> {
+        let entries = self.list(prefix, true)?;
+        for rel in entries.iter().map(Entry::rel) {
+            let Some(data) = rel.strip_suffix(UPLOAD_SUFFIX) else {
+                continue;
+            };
+            let small = |_: &[u8], size: u64| {
+                if size <= MAX_LEASE_LEN {
+                    return Ok(());
+                }
+                Err(CoreError::InvalidArgument(format!("{size} bytes")))
+            };
+            if let Ok(id) = self.get_checked(rel, 0, &small) {
+                let id = String::from_utf8_lossy(&id).into_owned();
+                let _ = self.block_on(self.bucket.multipart.abort_multipart(&self.key(data), &id));
+            }
+        }
+        for rel in entries.iter().map(Entry::rel) {
+            self.delete(rel)?;
+        }
+        Ok(())
+    }
+
+    /// The server's: the time it stamps on a probe object, written and removed (three requests,
+    /// made only to judge a lease that another writer holds).
+    fn clock(&self) -> Result<SystemTime> {
+        let probe = format!("{CLOCK_PREFIX}{}", crate::txn::new_save_id()?);
+        self.put(&probe, b"", PutMode::Overwrite)?;
+        let head = Storage::head(self, &probe);
+        let _ = self.delete(&probe);
+        head?.map(|h| h.modified).ok_or_else(|| {
+            CoreError::io(
+                self.name(&probe),
+                std::io::Error::new(std::io::ErrorKind::NotFound, "the clock probe vanished"),
+            )
+        })
     }
 
     fn put_if(&self, rel: &str, bytes: &[u8], cond: PutIf<'_>) -> Result<Option<Version>> {

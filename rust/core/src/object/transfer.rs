@@ -105,6 +105,8 @@ pub(super) struct Part {
 pub(super) struct RemoteWriter {
     pub(super) storage: ObjectStorage,
     pub(super) key: ObjectPath,
+    /// Where the upload's id is recorded while it is in progress.
+    pub(super) marker: ObjectPath,
     pub(super) size: u64,
     pub(super) part: u64,
     /// The multipart upload, until it completes or is aborted.
@@ -212,17 +214,31 @@ impl Object for RemoteWriter {
         s.block_on(s.bucket.multipart.complete_multipart(&self.key, &id, ids))
             .map_err(to_io)?;
         *self.upload.lock().unwrap() = None;
+        self.forget_upload();
         Ok(())
     }
 }
 
+impl RemoteWriter {
+    /// Removes the upload's marker (best effort: a marker whose upload is gone only costs the
+    /// cleanup an abort that finds nothing).
+    fn forget_upload(&self) {
+        let s = &self.storage;
+        let _ = s.block_on(s.bucket.store.delete(&self.marker));
+    }
+}
+
 impl Drop for RemoteWriter {
-    /// Abandons an upload that never completed (best effort: a bucket lifecycle rule reclaims
-    /// what a killed writer leaves).
+    /// Abandons an upload that never completed. A killed writer's is aborted by the cleanup of a
+    /// later save, from its marker.
     fn drop(&mut self) {
         if let Some(id) = self.upload.lock().unwrap().take() {
             let s = &self.storage;
-            let _ = s.block_on(s.bucket.multipart.abort_multipart(&self.key, &id));
+            if s.block_on(s.bucket.multipart.abort_multipart(&self.key, &id))
+                .is_ok()
+            {
+                self.forget_upload();
+            }
         }
     }
 }
