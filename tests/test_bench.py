@@ -40,7 +40,7 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     res = results[0]
     assert results[1:] == [None] * (bench.WORLD - 1)
     assert res["state_bytes"] == bench.state_nbytes(bench.model_spec(3 << 20))
-    contenders = {"native", "ours-dcp", "dcp-fs t=1", "dcp-fs t=2", "native@url", "ours-dcp@url"}
+    contenders = {"native", "ours-dcp", "dcp-fs t=1", "dcp-fs t=2", "raw@url", "native@url", "ours-dcp@url"}
     saved = {a.label for _, a, _ in bench.PAIRS}
     got = {(r["where"], r["method"]) for r in res["save"]}
     assert got == {(w, m) for w in saved for m in contenders | {"raw"}}
@@ -52,6 +52,10 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     for name, _, _ in bench.PAIRS:
         read = {r["method"]: r["read_x"] for r in res["load"] if r["where"] == name}
         assert read["raw"] == 1.0  # the loading ranks' shares of the raw files, once
+        # an object store's rows against its own roofline, which reads the same bytes once in 8 MiB GETs
+        rows = {r["method"]: r for r in res["load"] if r["where"] == name}
+        assert math.isclose(rows["native@url"]["of_roofline"], rows["native@url"]["gbps"] / rows["raw@url"]["gbps"])
+        assert sum(rows["raw@url"]["requests_per_rank"]) >= math.ceil(res["state_bytes"] / (8 << 20))
         # every contender reads at least the checkpoint's bytes; reading once never reads more than direct
         assert all(x >= 1.0 for x in read.values()), read
         assert read["native-once"] <= read["native-direct"] + 1e-9, read
@@ -66,7 +70,7 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
         assert row["best_s"] > 0 and math.isfinite(row["gbps"]) and row["gbps"] > 0
         assert row["peak_extra_rss_mib"] >= 0
         assert math.isclose(row["gbps"], res["state_bytes"] / row["best_s"] / 1e9)
-        if row["method"] == "raw":
+        if row["method"] in ("raw", "raw@url"):
             assert row["of_roofline"] == 1.0
         if row["method"].endswith("@url") and row in res["save"] + res["load"]:
             assert len(row["requests_per_rank"]) == bench.WORLD and sum(row["requests_per_rank"]) > 0
@@ -84,7 +88,8 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
                   "DCP FileSystemWriter t=2", "DCP FileSystemReader", "roofline: raw read", "roofline: raw write+fsync",
                   "DCP DefaultStager", "warm page cache", "storage capped at 2 GB/s",
                   "read=direct", "read=once", "read=auto", "chose ", "of the better mode", "read x",
-                  "olmo_chunks native (read=auto) @url", "requests "):
+                  "olmo_chunks native (read=auto) @url", "requests ", "roofline: object_store GETs @url",
+                  "roofline: object_store PUTs @url"):
         assert label in table
     assert json.loads(json.dumps(res)) == res
     assert not (tmp_path / "bench").exists()

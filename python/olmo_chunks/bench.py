@@ -524,7 +524,7 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
     if method == RAW_URL:
         ranges = [(os.path.basename(p), off, n) for p, off, n in _ranges(raw_files, *share)]
         return timed(lambda: _core.object_store_get_raw(path, ranges, 0))
-    method = method.removesuffix(URL_SUFFIX)
+    name, method = method, method.removesuffix(URL_SUFFIX)
     if method == "raw":
         out = torch.zeros(share[1], dtype=torch.uint8)
         peak.start = _status("VmRSS")  # the destination is not extra
@@ -534,7 +534,7 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
         read = {"native-direct": "direct", "native-once": "once"}.get(method, "auto")
 
         def load() -> None:
-            _CHOSEN[method] = checkpoint.load(held.native, path, process_group=group, verify=verify, read=read).read
+            _CHOSEN[name] = checkpoint.load(held.native, path, process_group=group, verify=verify, read=read).read
 
         return timed(load)
     if method == "ours-dcp":
@@ -804,7 +804,7 @@ def format_table(res: dict[str, Any]) -> str:
         read = f"{r['read_x']:.2f}" if kind == "load" else ""
         req = r.get("requests_per_rank")
         req = f"  requests {sum(req)} ({'/'.join(map(str, req))})" if req else ""
-        if kind == "load" and r.get("chose") and r["method"] == "native":
+        if kind == "load" and r.get("chose") and r["method"] in ("native", f"native{URL_SUFFIX}"):
             best = f", {r['of_best_mode'] * 100:.0f}% of the better mode" if r.get("of_best_mode") else ""
             req += f"  chose {r['chose']}{best}"
         return (f"  {_name(r['method'], kind):<38} {r['gbps']:>7.3f} {x:>7} {r['of_roofline'] * 100:>7.0f}% "

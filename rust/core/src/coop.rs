@@ -281,14 +281,29 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
     let mut load = vec![0u64; world];
     let mut cost = vec![0u64; world];
     let mut open = false;
+    let mut last: Option<(u64, u64, u32)> = None; // the unit just planned and its reader
     for ((chunk, block), mut who) in units {
         who.sort_unstable();
         let len = block_len(m, chunk, block);
-        let reader = who
+        let least = who
             .iter()
             .map(|w| w.0)
             .min_by_key(|&r| (load[r as usize], r))
             .expect("a unit has a needer");
+        // The reader of the unit before keeps reading while it is within a run of the least
+        // loaded: readers read runs, not every other block (which would split their reads, and an
+        // object store's requests, at every block).
+        let reader = match last {
+            Some((c, b, r))
+                if continues(m, (c, b), (chunk, block))
+                    && who.iter().any(|w| w.0 == r)
+                    && load[r as usize] < load[least as usize] + READ_RUN =>
+            {
+                r
+            }
+            _ => least,
+        };
+        last = Some((chunk, block, reader));
         // Bytes each other needer receives (`who` is sorted by rank).
         let mut takes: Vec<(u32, u64)> = Vec::new();
         for (r, span) in who.iter().filter(|w| w.0 != reader) {
@@ -337,6 +352,21 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
         }
     }
     Ok(plans)
+}
+
+/// How far (bytes) a reader may run ahead of the least loaded needer while it reads on through
+/// adjacent blocks: one I/O unit.
+const READ_RUN: u64 = crate::io::MAX_UNIT;
+
+/// True if block `b` follows block `a` in its data file: the next block of one chunk, or the
+/// first of the chunk after in the same file.
+fn continues(m: &Manifest, a: (u64, u64), b: (u64, u64)) -> bool {
+    let file = |c: u64| m.chunks.get(c as usize).map(|c| c.file);
+    (b.0 == a.0 && b.1 == a.1 + 1)
+        || (b.0 == a.0 + 1
+            && b.1 == 0
+            && a.1 + 1 == m.chunks[a.0 as usize].len.div_ceil(m.block_size)
+            && file(a.0) == file(b.0))
 }
 
 /// Appends `s`, extending the last span instead when both are plain and `s` continues it.

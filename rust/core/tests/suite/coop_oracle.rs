@@ -264,3 +264,49 @@ fn a_column_of_a_block_is_one_strided_span() {
         assert_eq!((n.block, n.span), (b as u64, want));
     }
 }
+
+#[test]
+fn readers_read_runs_of_adjacent_blocks_and_stay_balanced() {
+    // 64 blocks of 1 MiB, needed whole by 4 ranks: each reads 16 of them, in runs of at least 8
+    // (one I/O unit), not every fourth block (which would split an object store's requests at each).
+    let (rows, cols) = (64u64, 1u64 << 18);
+    let tensors = vec![SavedTensor {
+        key: "w".into(),
+        dtype: "float32".into(),
+        shape: vec![rows, cols],
+        regions: vec![olmo_chunks_core::Region::Box {
+            offsets: vec![0, 0],
+            sizes: vec![rows, cols],
+        }],
+    }];
+    let m = in_memory_manifest(&tensors, 1 << 20);
+    let whole = olmo_chunks_core::Piece {
+        offsets: vec![0, 0],
+        sizes: vec![rows, cols],
+        local_start: 0,
+        strides: vec![cols, 1],
+    };
+    let target = Target {
+        tensor: 0,
+        pieces: vec![whole],
+        dest: 0,
+        dest_len: rows * cols * 4,
+    };
+    let copies = plan_copies(&m, &[target]).unwrap();
+    let needs = vec![coop::needs(&m, &copies); 4];
+    let plans = coop::plan(&m, &needs, u64::MAX).unwrap();
+    for (r, p) in plans.iter().enumerate() {
+        let reads: Vec<(u64, u64)> = p
+            .rounds
+            .iter()
+            .flat_map(|k| &k.reads)
+            .map(|s| (s.lo, s.len))
+            .collect();
+        let total: u64 = reads.iter().map(|&(_, len)| len).sum();
+        assert_eq!(total, 16 << 20, "rank {r}: {reads:?}");
+        assert!(
+            reads.len() <= 2 && reads.iter().all(|&(_, len)| len >= 8 << 20),
+            "rank {r}: {reads:?}"
+        );
+    }
+}
