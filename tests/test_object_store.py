@@ -248,19 +248,19 @@ def test_cli_import_dcp_into_a_url(s3, bucket, tmp_path):
     assert world.run(3, in_env, s3.env(), native_load_worker, url) == [[], [], []]
 
 
-def save_and_report(url: str, seed: int) -> str:
+def save_and_report(url: str, seed: int, n: int = 1_000_000) -> str:
     """Saves (with a short lease), returning the error it raised, by class, or "ok"."""
     try:
-        olmo_chunks.save(_state(seed, 1_000_000), url, overwrite=True, peer_timeout=3.0)
+        olmo_chunks.save(_state(seed, n), url, overwrite=True, peer_timeout=3.0)
     except OlmoChunksError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
 
 
-def load_state(url: str, seed: int) -> bool:
-    back = {"w": torch.zeros(1_000_000), "b": torch.zeros(3, 7), "step": 0}
+def load_state(url: str, seed: int, n: int = 1_000_000) -> bool:
+    back = {"w": torch.zeros(n), "b": torch.zeros(3, 7), "step": 0}
     olmo_chunks.load(back, url)
-    want = _state(seed, 1_000_000)
+    want = _state(seed, n)
     return torch.equal(back["w"], want["w"]) and back["step"] == seed
 
 
@@ -294,15 +294,6 @@ def test_a_server_killed_mid_save_fails_every_rank_and_keeps_the_previous_checkp
     assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"k/{f.path}" for f in m.files)
 
 
-def save_parts_and_report(url: str, seed: int) -> str:
-    """Saves 24 MB (a data object of two 8 MiB parts on each of 2 ranks), as `save_and_report`."""
-    try:
-        olmo_chunks.save(_state(seed, 6_000_000), url, overwrite=True, peer_timeout=3.0)
-    except OlmoChunksError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
-
-
 def test_a_writer_killed_mid_upload_has_its_multipart_uploads_aborted_by_the_next_save(s3, bucket):
     url = f"s3://{bucket}/mp"
     port = free_port()
@@ -313,24 +304,19 @@ def test_a_writer_killed_mid_upload_has_its_multipart_uploads_aborted_by_the_nex
         return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix="mp/").get("Uploads", []))
 
     # The relay dies inside the first parts: no writer can complete or abort its upload.
-    results, code = _relayed(s3, port, env, save_parts_and_report, url, 1, die_after=10_000_000)
+    # 24 MB: a data object of two 8 MiB parts on each of 2 ranks.
+    results, code = _relayed(s3, port, env, save_and_report, url, 1, 6_000_000, die_after=10_000_000)
     assert code == 17 and all(r != "ok" for r in results), results
     left = uploads()
     markers = [k for k in s3.keys(bucket) if k.endswith(".upload")]
     print(f"\nkilled mid-upload: {len(left)} incomplete uploads, {len(markers)} markers left")
     assert left and sorted(k + ".upload" for k in left) == markers
     time.sleep(3.5)  # the dead save's lease lapses
-    assert _relayed(s3, port, env, save_parts_and_report, url, 2)[0] == ["ok", "ok"]
+    assert _relayed(s3, port, env, save_and_report, url, 2, 6_000_000)[0] == ["ok", "ok"]
     assert uploads() == []
     m = _core.Manifest.open(url)
     assert [k for k in s3.keys(bucket) if "/data/" in k] == sorted(f"mp/{f.path}" for f in m.files)
-    assert load_parts(url, 2)
-
-
-def load_parts(url: str, seed: int) -> bool:
-    back = {"w": torch.zeros(6_000_000), "b": torch.zeros(3, 7), "step": 0}
-    olmo_chunks.load(back, url)
-    return torch.equal(back["w"], _state(seed, 6_000_000)["w"]) and back["step"] == seed
+    assert load_state(url, 2, 6_000_000)
 
 
 @pytest.mark.parametrize("offset", [-3600.0, 3600.0])
