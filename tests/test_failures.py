@@ -113,6 +113,7 @@ def _die_at(point: str, victim: int, rank: int, mark: str) -> None:
     if rank != victim:
         return
     from olmo_chunks import _dist, checkpoint
+    from olmo_chunks.fill import FillStep
     from olmo_chunks.session import SaveSession
 
     def kill() -> None:
@@ -130,8 +131,8 @@ def _die_at(point: str, victim: int, rank: int, mark: str) -> None:
     elif point == "commit":
         SaveSession.commit = lambda *a, **k: kill()
     elif point == "load":
-        orig = checkpoint.fill
-        checkpoint.fill = lambda *a, **k: (kill(), orig(*a, **k))
+        orig = FillStep.run
+        FillStep.run = lambda *a, **k: (kill(), orig(*a, **k))[1]
     elif point == "exchange":
         orig_ex = _dist.Group.exchange
         _dist.Group.exchange = lambda self, *a, **k: (kill(), orig_ex(self, *a, **k))[1]

@@ -201,8 +201,9 @@ def test_rounds_stay_within_the_staging_budget(saved):
         assert 0 < peak <= budget
 
 
-def _agreements_of_a_load(path: str, budget: int) -> tuple[int, int, bool, int]:
-    """(rounds, store agreements the load made, exact, bytes held at once) of a read-once load."""
+def _agreements_of_a_load(path: str, budget: int, read: str = "once", layout: str = "R") -> tuple[int, int, bool, int]:
+    """(rounds, store agreements the load made, exact, bytes held at once) of a load (read once,
+    into `Replicate()`, unless told)."""
     from olmo_chunks._dist import Group
 
     calls = 0
@@ -215,10 +216,22 @@ def _agreements_of_a_load(path: str, budget: int) -> tuple[int, int, bool, int]:
 
     Group.exchange = counted
     try:
-        _, exact, (_, rounds, peak) = load_as(path, "R", "once", budget)
+        _, exact, (_, rounds, peak) = load_as(path, layout, read, budget)
     finally:
         Group.exchange = original
     return rounds, calls, exact, peak
+
+
+def _agreements_by_read_mode(path: str) -> dict[str, int]:
+    load_as(path, "S1", "auto")  # the group's first auto load measures its exchange
+    return {read: _agreements_of_a_load(path, 64 << 20, read, "S1")[1] for read in ("auto", "direct", "once")}
+
+
+def test_deciding_how_to_read_takes_no_store_step_of_its_own(saved):
+    # read="auto" decides in the step that agrees on what to load: once the group's exchange is
+    # measured, an auto load makes as many store steps as a direct one, and as one read once.
+    counts = world.run(4, _agreements_by_read_mode, saved["S0"])
+    assert all(len(set(c.values())) == 1 for c in counts), counts
 
 
 def test_rounds_are_pipelined_without_an_agreement_each(saved):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
-from .fill import STAGING_BYTES, Fill, ReadOutcome, check_read_mode, fill
+from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode
 from .location import checkpoint_location
 from .roles import resolve_role
 from .session import SaveSession, staging_bytes, zstd_level
@@ -317,62 +317,83 @@ def load(
                      workers=workers, read=read, t0=t0)
 
 
+_Checked = tuple[LoadReport, list[Fill], dict[str, Leaf], dict[str, Any]]
+
+
+def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
+                strict: bool, partial: bool, roles: Mapping[str, str] | None) -> _Checked:
+    """One rank's side of what a load fills: its report (what is missing, unexpected or
+    mismatched; `MismatchError` if `strict`), its fills, leaves and the checkpoint's plain
+    values."""
+    leaves = flatten(state_dict)
+    shards = _describe_all(leaves, roles)
+    saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
+    entries = values.entries(manifest)
+    report = LoadReport()
+    for key, leaf in leaves.items():
+        if leaf.is_tensor:
+            if key not in saved:
+                where = "a plain value" if key in entries else "missing"
+                report.missing.append(key) if where == "missing" else report.mismatched.append(
+                    f"{key}: a tensor here, {where} in the checkpoint")
+                continue
+            s = shards[key]
+            info = saved[key][1]
+            dtype, shape, role = info.dtype, info.shape, info.role
+            want = (dtype_name(s.dtype), list(s.shape), s.role)
+            if want != (dtype, list(shape), role):
+                report.mismatched.append(
+                    f"{key}: checkpoint has dtype={dtype} shape={tuple(shape)} role={role}, "
+                    f"state dict has dtype={want[0]} shape={tuple(want[1])} role={want[2]}")
+        elif key not in entries:
+            report.missing.append(key) if key not in saved else report.mismatched.append(
+                f"{key}: a plain value here, a tensor in the checkpoint")
+    if not partial:
+        # Trainer entries are `load_trainer_state`'s: unexpected only when the state dict holds
+        # trainer state itself, and never another rank's RNG states.
+        trainer = any(k.startswith(f"{TRAINER_PREFIX}.") for k in leaves)
+        report.unexpected = sorted(
+            k for k in (saved.keys() | entries.keys()) if k not in leaves and not k.startswith(TRAINER_RNG_PREFIX)
+            and (trainer or not k.startswith(f"{TRAINER_PREFIX}."))
+        )
+    if strict and not report.ok:
+        raise MismatchError(
+            [f"{k}: missing from the checkpoint" for k in report.missing]
+            + [f"{k}: in the checkpoint but not in the state dict" for k in report.unexpected]
+            + report.mismatched,
+            header=f"{path}: checkpoint does not match the state dict (a model conversion, not a reshard)",
+        )
+    bad = set(report.missing) | {m.split(":", 1)[0] for m in report.mismatched}
+    wanted = [(key, s) for key, s in shards.items() if key not in bad]
+    for key, s in wanted:
+        if s.local.numel() and not is_dense(s.local):
+            raise InvalidArgumentError(f"{key}: the destination's elements share memory (an expanded or "
+                                       "self-overlapping view); load into a tensor with memory of its own")
+    report.loaded.extend(key for key, _ in wanted)
+    fills = [Fill(key, saved[key][0], s.local, s.core_pieces, s.dtype) for key, s in wanted]
+    return report, fills, leaves, entries
+
+
 def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool, partial: bool,
           roles: Mapping[str, str] | None, verify: bool, workers: int | None, read: str, t0: float) -> LoadReport:
     manifest = open_manifest(group, path, lambda: {"read": check_read_mode(read), "staging_bytes": STAGING_BYTES})
 
-    def check() -> tuple[LoadReport, list[Fill], dict[str, Leaf], dict[str, Any]]:
-        leaves = flatten(state_dict)
-        shards = _describe_all(leaves, roles)
-        saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
-        entries = values.entries(manifest)
-        report = LoadReport()
-        for key, leaf in leaves.items():
-            if leaf.is_tensor:
-                if key not in saved:
-                    where = "a plain value" if key in entries else "missing"
-                    report.missing.append(key) if where == "missing" else report.mismatched.append(
-                        f"{key}: a tensor here, {where} in the checkpoint")
-                    continue
-                s = shards[key]
-                info = saved[key][1]
-                dtype, shape, role = info.dtype, info.shape, info.role
-                want = (dtype_name(s.dtype), list(s.shape), s.role)
-                if want != (dtype, list(shape), role):
-                    report.mismatched.append(
-                        f"{key}: checkpoint has dtype={dtype} shape={tuple(shape)} role={role}, "
-                        f"state dict has dtype={want[0]} shape={tuple(want[1])} role={want[2]}")
-            elif key not in entries:
-                report.missing.append(key) if key not in saved else report.mismatched.append(
-                    f"{key}: a plain value here, a tensor in the checkpoint")
-        if not partial:
-            # Trainer entries are `load_trainer_state`'s: unexpected only when the state dict holds
-            # trainer state itself, and never another rank's RNG states.
-            trainer = any(k.startswith(f"{TRAINER_PREFIX}.") for k in leaves)
-            report.unexpected = sorted(
-                k for k in (saved.keys() | entries.keys()) if k not in leaves and not k.startswith(TRAINER_RNG_PREFIX)
-                and (trainer or not k.startswith(f"{TRAINER_PREFIX}."))
-            )
-        if strict and not report.ok:
-            raise MismatchError(
-                [f"{k}: missing from the checkpoint" for k in report.missing]
-                + [f"{k}: in the checkpoint but not in the state dict" for k in report.unexpected]
-                + report.mismatched,
-                header=f"{path}: checkpoint does not match the state dict (a model conversion, not a reshard)",
-            )
-        bad = set(report.missing) | {m.split(":", 1)[0] for m in report.mismatched}
-        wanted = [(key, s) for key, s in shards.items() if key not in bad]
-        for key, s in wanted:
-            if s.local.numel() and not is_dense(s.local):
-                raise InvalidArgumentError(f"{key}: the destination's elements share memory (an expanded or "
-                                           "self-overlapping view); load into a tensor with memory of its own")
-        report.loaded.extend(key for key, _ in wanted)
-        fills = [Fill(key, saved[key][0], s.local, s.core_pieces, s.dtype) for key, s in wanted]
-        return report, fills, leaves, entries
+    # One step agrees on what to load and decides how to read it (`FillStep`).
+    checked: list[_Checked] = []
+    steps: list[FillStep] = []
 
-    report, fills, leaves, entries = group.agree(check)
-    report.reading = fill(manifest, fills, verify=verify, workers=workers, group=group, read=read,
-                          source=checkpoint_location(path))
+    def check_and_describe() -> Any:
+        checked.append(_check_load(manifest, state_dict, path, strict=strict, partial=partial, roles=roles))
+        steps.append(FillStep(manifest, checked[0][1], verify=verify, workers=workers, group=group, read=read,
+                              source=checkpoint_location(path)))
+        return steps[0].local()
+
+    if FillStep.collective(group, read):
+        decided = group.exchange(check_and_describe, lambda got: steps[0].root(got), scatter=True)[1]
+    else:
+        decided = group.agree(check_and_describe)
+    report, fills, leaves, entries = checked[0]
+    report.reading = steps[0].run(decided)
     nbytes = sum(f.dest.numel() * f.dest.element_size() for f in fills)
     for key, leaf in leaves.items():
         if not leaf.is_tensor and key in entries:

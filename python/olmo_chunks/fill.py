@@ -34,7 +34,7 @@ from ._dist import Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
 from .shards import is_dense
 
-__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "ReadOutcome", "check_read_mode", "fill"]
+__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "FillStep", "ReadOutcome", "check_read_mode", "fill"]
 
 READ_MODES = ("auto", "once", "direct")
 
@@ -77,28 +77,68 @@ def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, worke
     """Fills every `Fill.dest` from `manifest`, the checkpoint at `source` (see the module
     docstring). With a `group` of several ranks every rank calls this together (collective), with
     the same `read`."""
-    check_read_mode(read)
-    t0 = time.perf_counter()
-    direct, staged, tied = _classify(fills)
-    force = os.environ.get("OLMO_CHUNKS_READ_ONCE") == "always"  # benchmarks: the rounds even alone
-    outcome = ReadOutcome()
-    if group is not None and read != "direct" and (group.size > 1 or force):
-        outcome = _read_once(manifest, direct, staged, tied, group, verify, workers, force, read == "auto", source)
-        if outcome.read == "once":
-            outcome.seconds = time.perf_counter() - t0
-            return outcome
-    before = _core.io_counters()[0]
-    t_read = time.perf_counter()
-    if direct:
-        _load_direct(manifest, direct, verify, workers)
-    for batch in _batches(staged):
-        _copy_into_place(batch, _load_staged(manifest, batch, verify, workers))
-    first = {id(f): key for f, key in tied}
-    for batch in _batches([f for f, _ in tied]):
-        _check_tied(batch, _load_staged(manifest, batch, verify, workers), first)
-    rates.learn_storage(source, _core.io_counters()[0] - before, time.perf_counter() - t_read)
-    outcome.seconds = time.perf_counter() - t0
-    return outcome
+    step = FillStep(manifest, fills, verify=verify, workers=workers, group=group, read=read, source=source)
+    decided = None
+    if group is not None and step.once is not None:
+        decided = group.exchange(step.local, step.root, scatter=True)[1]
+    return step.run(decided)
+
+
+def _forced() -> bool:
+    """Benchmarks: the read-once rounds even on one rank, and when no block is shared."""
+    return os.environ.get("OLMO_CHUNKS_READ_ONCE") == "always"
+
+
+class FillStep:
+    """A load's fill in three parts, so that the decision of how to read can ride in a step the
+    load makes anyway (`checkpoint.load` decides in the step that agrees on what to load): `local()`
+    on every rank inside a group step, `root(results)` on its rank 0, whose items the ranks get
+    back (`scatter`), then `run(item)` on every rank. `fill` is the three in a step of their own.
+    Where the fill is not `collective` (`read="direct"`, one rank) it needs no step: `run(None)`."""
+
+    def __init__(self, manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None,
+                 group: Group | None, read: str, source: str) -> None:
+        check_read_mode(read)
+        self.t0 = time.perf_counter()
+        self.manifest, self.verify, self.workers, self.source = manifest, verify, workers, source
+        self.direct, self.staged, self.tied = _classify(fills)
+        self.once: _ReadOnce | None = None
+        if group is not None and FillStep.collective(group, read):
+            load = _CooperativeLoad(manifest, self.direct, self.staged, self.tied, group, verify, workers, source)
+            self.once = _ReadOnce(load, group, _forced(), read == "auto", source)
+        self.size = group.size if group is not None else 1
+
+    @staticmethod
+    def collective(group: Group, read: str) -> bool:
+        """Whether the fill of a load with `read` over `group` needs its step."""
+        return read != "direct" and (group.size > 1 or _forced())
+
+    def local(self) -> Any:
+        return self.once.describe() if self.once is not None else None
+
+    def root(self, got: list[Any]) -> list[Any]:
+        return self.once.first(got) if self.once is not None else [None] * self.size
+
+    def run(self, decided: Any) -> ReadOutcome:
+        outcome = ReadOutcome()
+        if self.once is not None:
+            outcome = self.once.finish(decided)
+            if outcome.read == "once":
+                outcome.seconds = time.perf_counter() - self.t0
+                return outcome
+        manifest, verify, workers = self.manifest, self.verify, self.workers
+        before = _core.io_counters()[0]
+        t_read = time.perf_counter()
+        if self.direct:
+            _load_direct(manifest, self.direct, verify, workers)
+        for batch in _batches(self.staged):
+            _copy_into_place(batch, _load_staged(manifest, batch, verify, workers))
+        first = {id(f): key for f, key in self.tied}
+        for batch in _batches([f for f, _ in self.tied]):
+            _check_tied(batch, _load_staged(manifest, batch, verify, workers), first)
+        rates.learn_storage(self.source, _core.io_counters()[0] - before, time.perf_counter() - t_read)
+        outcome.seconds = time.perf_counter() - self.t0
+        return outcome
 
 
 def check_read_mode(read: str) -> str:
@@ -235,71 +275,74 @@ def _batches(fills: list[Fill]) -> Iterator[list[Fill]]:
         yield batch
 
 
-def _read_once(manifest: _core.Manifest, direct: list[Fill], staged: list[Fill], tied: list[tuple[Fill, str]],
-               group: Group, verify: bool, workers: int | None, force: bool, auto: bool,
-               source: str) -> ReadOutcome:
-    """The cooperative load (collective). Reads nothing and returns a "direct" outcome when no
-    saved block is needed by two ranks (and not `force`), or with `auto` when reading directly is
-    predicted faster: each rank then reads its own.
+class _ReadOnce:
+    """The cooperative load's decision and rounds (collective). Reads nothing and finishes with a
+    "direct" outcome when no saved block is needed by two ranks (and not `force`), or with `auto`
+    when reading directly is predicted faster: each rank then reads its own.
 
-    One store step decides: each rank sends what it needs (where that is small), rank 0 plans,
-    predicts and sends each rank its plan. Where the needs or plans are too large for the store,
-    or the group's exchange must be measured first, they travel by bounded collectives instead,
-    and a second step decides."""
-    load = _CooperativeLoad(manifest, direct, staged, tied, group, verify, workers, source)
-    pg = id(group.pg)
-    inline = max(256, _INLINE_BYTES // group.size)
-    needs: list[bytes] = []
-    plans: list[bytes] | None = None
+    One store step decides (`describe` on every rank, `first` on rank 0, `finish` with its item):
+    each rank sends what it needs (where that is small), rank 0 plans, predicts and sends each rank
+    its plan. Where the needs or plans are too large for the store, or the group's exchange must be
+    measured first, they travel by bounded collectives instead, and a second step decides."""
 
-    def describe() -> tuple[bool, list[str], bytes | None]:
-        n, cuda = load.needs()
-        needs.append(n)
-        return cuda, [d for d in ("cpu", "cuda") if (pg, d) in _EXCHANGE], n if len(n) <= inline else None
+    def __init__(self, load: _CooperativeLoad, group: Group, force: bool, auto: bool, source: str) -> None:
+        self.load, self.group, self.force, self.auto, self.source = load, group, force, auto, source
+        self.pg = id(group.pg)
+        self.inline = max(256, _INLINE_BYTES // group.size)
+        self.needs: list[bytes] = []
+        self.plans: list[bytes] | None = None
 
-    def decide(gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str]:
-        nonlocal plans
+    def describe(self) -> tuple[bool, list[str], bytes | None]:
+        n, cuda = self.load.needs()
+        self.needs.append(n)
+        return cuda, [d for d in ("cpu", "cuda") if (self.pg, d) in _EXCHANGE], n if len(n) <= self.inline else None
+
+    def decide(self, gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str]:
         model, why = None, ""
-        measured = _EXCHANGE.get((pg, device))
-        if auto and measured is not None:
-            storage, origin = rates.storage_rate(source)
-            f = rates.once_factor((pg, device))
+        measured = _EXCHANGE.get((self.pg, device))
+        if self.auto and measured is not None:
+            storage, origin = rates.storage_rate(self.source)
+            f = rates.once_factor((self.pg, device))
             model = _core.Rates(storage, measured.bps / f, measured.round_s * f, measured.copy_bps / f)
             why = (f"storage {storage / 1e9:.2f} GB/s ({origin}), exchange {measured.bps / 1e9:.2f} GB/s "
                    f"on {device}, {measured.round_s * 1e3:.1f} ms per round, copies "
                    f"{measured.copy_bps / 1e9:.2f} GB/s" + (f", once x{f:.2f} its model (measured)" if f != 1 else ""))
         # Rounds of half the budget: two of them overlap (`_CooperativeLoad.run`).
-        choice = _core.plan_read_once(manifest, gathered, STAGING_BYTES // 2, force, model)
-        plans = choice.plans
-        return "once" if plans is not None else "direct", choice.direct_s, choice.once_s, why
+        choice = _core.plan_read_once(self.load.manifest, gathered, STAGING_BYTES // 2, self.force, model)
+        self.plans = choice.plans
+        return "once" if self.plans is not None else "direct", choice.direct_s, choice.once_s, why
 
-    def first(got: list[tuple[bool, list[str], bytes | None]]) -> list[Any]:
+    def first(self, got: list[tuple[bool, list[str], bytes | None]]) -> list[Any]:
+        group = self.group
         device = _exchange_device(group, any(c for c, _, _ in got), all(c for c, _, _ in got))
-        probe = auto and group.size > 1 and not all(device in known for _, known, _ in got)
+        probe = self.auto and group.size > 1 and not all(device in known for _, known, _ in got)
         if probe or any(n is None for *_, n in got):
             return [(None, device, probe, None)] * group.size
-        decision = decide([n for *_, n in got if n is not None], device)
+        decision = self.decide([n for *_, n in got if n is not None], device)
+        plans = self.plans
         small = plans is not None and sum(map(len, plans)) <= _INLINE_BYTES
         return [(decision, device, False, plans[r] if plans is not None and small else None)
                 for r in range(group.size)]
 
-    decision, device, probe, mine = group.exchange(describe, first, scatter=True)[1]
-    if decision is None:
-        if probe:
-            _EXCHANGE[(pg, device)] = _measure_exchange(group, device)
-        gathered = group.gather_bytes(needs[0]) if group.size > 1 else needs
-        decision = group.exchange(None, lambda _: decide(gathered or [], device))[1]
-    mode, direct_s, once_s, why = decision
-    outcome = ReadOutcome(mode, predicted_direct_s=direct_s, predicted_once_s=once_s, why=why)
-    if outcome.read == "direct":
+    def finish(self, decided: tuple[Any, str, bool, bytes | None]) -> ReadOutcome:
+        group = self.group
+        decision, device, probe, mine = decided
+        if decision is None:
+            if probe:
+                _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
+            gathered = group.gather_bytes(self.needs[0]) if group.size > 1 else self.needs
+            decision = group.exchange(None, lambda _: self.decide(gathered or [], device))[1]
+        mode, direct_s, once_s, why = decision
+        outcome = ReadOutcome(mode, predicted_direct_s=direct_s, predicted_once_s=once_s, why=why)
+        if outcome.read == "direct":
+            return outcome
+        if mine is None:
+            mine = group.scatter_bytes(self.plans) if group.size > 1 else self.plans[0]  # type: ignore[index]
+        t0 = time.perf_counter()
+        outcome.rounds, outcome.peak_bytes = self.load.run(mine, device)
+        if once_s is not None:  # every rank learns its own; rank 0's is the one that decides
+            rates.learn_once((self.pg, device), time.perf_counter() - t0, once_s)
         return outcome
-    if mine is None:
-        mine = group.scatter_bytes(plans) if group.size > 1 else plans[0]  # type: ignore[index]
-    t0 = time.perf_counter()
-    outcome.rounds, outcome.peak_bytes = load.run(mine, device)
-    if once_s is not None:  # every rank learns its own; rank 0's is the one that decides
-        rates.learn_once((pg, device), time.perf_counter() - t0, once_s)
-    return outcome
 
 
 # Needs and plans of up to this many bytes in all travel in the store step that decides a load.
