@@ -106,7 +106,6 @@ class FillStep:
         if group is not None and FillStep.collective(group, read):
             load = _CooperativeLoad(manifest, self.direct, self.staged, self.tied, group, verify, workers, source)
             self.once = _ReadOnce(load, group, _forced(), read == "auto", source)
-        self.size = group.size if group is not None else 1
 
     @staticmethod
     def collective(group: Group, read: str) -> bool:
@@ -117,7 +116,8 @@ class FillStep:
         return self.once.describe() if self.once is not None else None
 
     def root(self, got: list[Any]) -> list[Any]:
-        return self.once.first(got) if self.once is not None else [None] * self.size
+        assert self.once is not None, "root of a fill that is not collective"
+        return self.once.first(got)
 
     def run(self, decided: Any) -> ReadOutcome:
         outcome = ReadOutcome()
