@@ -543,6 +543,13 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
     return timed(lambda: dcp.load(held.dcp, storage_reader=_counted_reader(path), process_group=group))
 
 
+def _rotated(methods: list[str], rep: int) -> list[str]:
+    """`methods` in the order of repetition `rep`: each starts one place earlier than in the last,
+    so that whatever a place in the order costs falls on every contender in turn."""
+    k = rep % len(methods)
+    return methods[k:] + methods[:k]
+
+
 # What the last native load of each method read with ("once" or "direct").
 _CHOSEN: dict[str, str] = {}
 
@@ -610,7 +617,7 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                          for r in range(a.ranks)]
             mine = raw_files[rank] if rank < a.ranks else ("", 0)
             # Durable saves, interleaved so drifting machine load hits every contender alike.
-            for method in ["raw", *contenders]:
+            for method in ["raw", *_rotated(contenders, rep)]:
                 sent = _requests(opts.url)
                 with _PeakRss() as peak:
                     seconds = _save_step(method, src, paths.get(method, ""), mine, raw_buf, groups[a.ranks])
@@ -630,7 +637,8 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                 if a2 != a:
                     continue
                 dst = _hold(specs, b, rank)
-                for method in ["raw", "native", "native-once", "native-direct", "native-noverify", *contenders[1:]]:
+                loads = ["native", "native-once", "native-direct", "native-noverify", *contenders[1:]]
+                for method in ["raw", *_rotated(loads, rep)]:
                     if dst is not None:
                         for t in dst.locals.values():
                             t.zero_()

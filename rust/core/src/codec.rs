@@ -54,15 +54,16 @@ fn unshuffle(src: &[u8], width: usize, dst: &mut [u8]) {
     }
 }
 
-/// [`shuffle`] for a width known at compile time: one pass over the elements, writing `W` plane
-/// streams.
+/// [`shuffle`] for a width known at compile time: 16 elements at a time through SIMD registers
+/// where there are some, one element at a time for the rest.
 fn shuffle_w<const W: usize>(src: &[u8], dst: &mut [u8]) {
     let n = src.len() / W;
     let (body, tail) = dst.split_at_mut(n * W);
     if n > 0 {
         let mut it = body.chunks_exact_mut(n);
-        let planes: [&mut [u8]; W] = std::array::from_fn(|_| it.next().unwrap());
-        for (i, elem) in src.chunks_exact(W).enumerate() {
+        let mut planes: [&mut [u8]; W] = std::array::from_fn(|_| it.next().unwrap());
+        let done = simd::shuffle_tiles::<W>(src, &mut planes);
+        for (i, elem) in src.chunks_exact(W).enumerate().skip(done) {
             for j in 0..W {
                 planes[j][i] = elem[j];
             }
@@ -71,12 +72,12 @@ fn shuffle_w<const W: usize>(src: &[u8], dst: &mut [u8]) {
     tail.copy_from_slice(&src[n * W..]);
 }
 
-/// [`unshuffle`] for a width known at compile time: one pass over the elements, reading `W` plane
-/// streams.
+/// [`unshuffle`] for a width known at compile time, as [`shuffle_w`].
 fn unshuffle_w<const W: usize>(src: &[u8], dst: &mut [u8]) {
     let n = src.len() / W;
     let planes: [&[u8]; W] = std::array::from_fn(|j| &src[j * n..(j + 1) * n]);
-    for (i, out) in dst[..n * W].chunks_exact_mut(W).enumerate() {
+    let done = simd::unshuffle_tiles::<W>(&planes, &mut dst[..n * W]);
+    for (i, out) in dst[..n * W].chunks_exact_mut(W).enumerate().skip(done) {
         for j in 0..W {
             out[j] = planes[j][i];
         }
@@ -84,47 +85,153 @@ fn unshuffle_w<const W: usize>(src: &[u8], dst: &mut [u8]) {
     dst[n * W..].copy_from_slice(&src[n * W..]);
 }
 
-/// One block as stored: the zstd frame of (shuffled) `raw` if it is shorter, else `raw`.
-fn encode_block(raw: &[u8], shuffle_width: u8, level: i32, tmp: &mut Vec<u8>) -> Vec<u8> {
+/// The byte-plane transpose 16 elements (`W` 16-byte registers) at a time. A width of 2^k is k
+/// perfect shuffles of the tile's bytes: split each pair of registers into its even and its odd
+/// bytes (packing), and for the way back interleave them again (unpacking). SSE2 is part of
+/// x86-64; elsewhere the callers' scalar loops do all of it.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    const LANES: usize = 16;
+
+    /// Moves the first whole tiles of `src` (`W`-byte elements) into `planes`; how many elements
+    /// it moved.
+    pub fn shuffle_tiles<const W: usize>(src: &[u8], planes: &mut [&mut [u8]; W]) -> usize {
+        let tiles = planes[0].len() / LANES;
+        for t in 0..tiles {
+            // SAFETY: tile `t` covers src[t*16*W .. (t+1)*16*W] and planes[j][t*16 .. t*16+16],
+            // all within bounds (the plane length is the element count); unaligned loads and
+            // stores; SSE2 is always there on x86-64.
+            unsafe {
+                let at = src.as_ptr().add(t * LANES * W);
+                let mut v: [__m128i; W] =
+                    std::array::from_fn(|r| _mm_loadu_si128(at.add(r * LANES).cast()));
+                for _ in 0..W.trailing_zeros() {
+                    let mask = _mm_set1_epi16(0x00FF);
+                    v = std::array::from_fn(|r| {
+                        let (k, odd) = (r % (W / 2), r >= W / 2);
+                        let (a, b) = (v[2 * k], v[2 * k + 1]);
+                        if odd {
+                            _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8))
+                        } else {
+                            _mm_packus_epi16(_mm_and_si128(a, mask), _mm_and_si128(b, mask))
+                        }
+                    });
+                }
+                for (plane, r) in planes.iter_mut().zip(v) {
+                    _mm_storeu_si128(plane.as_mut_ptr().add(t * LANES).cast(), r);
+                }
+            }
+        }
+        tiles * LANES
+    }
+
+    /// The inverse of [`shuffle_tiles`]: the first whole tiles of `planes` into `dst`.
+    pub fn unshuffle_tiles<const W: usize>(planes: &[&[u8]; W], dst: &mut [u8]) -> usize {
+        let tiles = planes[0].len() / LANES;
+        for t in 0..tiles {
+            // SAFETY: as in shuffle_tiles, with the roles of source and destination swapped.
+            unsafe {
+                let mut v: [__m128i; W] = std::array::from_fn(|j| {
+                    _mm_loadu_si128(planes[j].as_ptr().add(t * LANES).cast())
+                });
+                for _ in 0..W.trailing_zeros() {
+                    v = std::array::from_fn(|r| {
+                        let (e, o) = (v[r / 2], v[W / 2 + r / 2]);
+                        if r % 2 == 0 {
+                            _mm_unpacklo_epi8(e, o)
+                        } else {
+                            _mm_unpackhi_epi8(e, o)
+                        }
+                    });
+                }
+                let at = dst.as_mut_ptr().add(t * LANES * W);
+                for (r, x) in v.into_iter().enumerate() {
+                    _mm_storeu_si128(at.add(r * LANES).cast(), x);
+                }
+            }
+        }
+        tiles * LANES
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod simd {
+    pub fn shuffle_tiles<const W: usize>(_: &[u8], _: &mut [&mut [u8]; W]) -> usize {
+        0
+    }
+    pub fn unshuffle_tiles<const W: usize>(_: &[&[u8]; W], _: &mut [u8]) -> usize {
+        0
+    }
+}
+
+/// Appends one block as stored to `out`: the zstd frame of (shuffled) `raw` if it is shorter,
+/// else `raw`; returns its stored length.
+fn encode_block(
+    raw: &[u8],
+    shuffle_width: u8,
+    level: i32,
+    tmp: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> usize {
     let input = if shuffle_width == 0 {
         raw
     } else {
         shuffle(raw, shuffle_width as usize, tmp);
         &tmp[..]
     };
-    match compress(input, level) {
-        Ok(frame) if frame.len() < raw.len() => frame,
-        _ => raw.to_vec(),
-    }
+    COMPRESSOR.with(|cell| {
+        let (ctx, frame) = &mut *cell.borrow_mut();
+        frame.clear();
+        frame.reserve(zstd::zstd_safe::compress_bound(input.len()));
+        let stored = match compressor(ctx, level).and_then(|c| c.compress_to_buffer(input, frame)) {
+            Ok(n) if n < raw.len() => &frame[..n],
+            _ => raw,
+        };
+        out.extend_from_slice(stored);
+        stored.len()
+    })
 }
+
+type Compressor = Option<(i32, zstd::bulk::Compressor<'static>)>;
 
 thread_local! {
     /// Each I/O worker's zstd contexts, reused for every block it handles (a context costs
-    /// allocations and table setup per use otherwise).
-    static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
-        const { std::cell::RefCell::new(None) };
+    /// allocations and table setup per use otherwise), and its buffer for compressed frames.
+    static COMPRESSOR: std::cell::RefCell<(Compressor, Vec<u8>)> =
+        const { std::cell::RefCell::new((None, Vec::new())) };
     static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
         const { std::cell::RefCell::new(None) };
 }
 
-fn compress(input: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
-    COMPRESSOR.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.as_ref().is_none_or(|(l, _)| *l != level) {
-            *slot = Some((level, zstd::bulk::Compressor::new(level)?));
-        }
-        slot.as_mut().unwrap().1.compress(input)
-    })
+fn compressor(
+    ctx: &mut Compressor,
+    level: i32,
+) -> std::io::Result<&mut zstd::bulk::Compressor<'static>> {
+    if ctx.as_ref().is_none_or(|(l, _)| *l != level) {
+        *ctx = Some((level, zstd::bulk::Compressor::new(level)?));
+    }
+    Ok(&mut ctx.as_mut().unwrap().1)
 }
 
-/// The shuffle width among [`SHUFFLES`] that stores `first_block` (a chunk's) smallest.
+/// Bytes of a chunk's first block [`choose_shuffle`] compresses with each width: enough for the
+/// exponent bytes' statistics, a few percent of a default block.
+const SHUFFLE_SAMPLE: usize = 64 << 10;
+
+/// The shuffle width among [`SHUFFLES`] that stores the start of `first_block` (a chunk's)
+/// smallest.
 pub fn choose_shuffle(first_block: &[u8], level: i32) -> u8 {
-    let mut tmp = Vec::new();
+    let sample = &first_block[..first_block.len().min(SHUFFLE_SAMPLE)];
+    let (mut tmp, mut out) = (Vec::new(), Vec::new());
     SHUFFLES
         .iter()
         .copied()
-        .filter(|&w| first_block.len() >= 2 * w as usize)
-        .min_by_key(|&w| encode_block(first_block, w, level, &mut tmp).len())
+        .filter(|&w| sample.len() >= 2 * w as usize)
+        .min_by_key(|&w| {
+            out.clear();
+            encode_block(sample, w, level, &mut tmp, &mut out)
+        })
         .unwrap_or(0)
 }
 
@@ -133,16 +240,16 @@ pub fn choose_shuffle(first_block: &[u8], level: i32) -> u8 {
 pub fn encode_blocks(data: &[u8], block_size: u64, shuffle: u8, level: i32) -> Encoded {
     let n = block_count(data.len() as u64, block_size) as usize;
     let mut e = Encoded {
-        bytes: Vec::new(),
+        bytes: Vec::with_capacity(data.len()), // no block is stored longer than it is
         block_lens: Vec::with_capacity(n),
         checksums: Vec::with_capacity(n),
     };
     let mut tmp = Vec::new();
     for raw in data.chunks(block_size as usize) {
-        let stored = encode_block(raw, shuffle, level, &mut tmp);
-        e.block_lens.push(stored.len() as u32);
-        e.checksums.push(crate::checksum::crc32c(&stored));
-        e.bytes.extend_from_slice(&stored);
+        let at = e.bytes.len();
+        let n = encode_block(raw, shuffle, level, &mut tmp, &mut e.bytes);
+        e.block_lens.push(n as u32);
+        e.checksums.push(crate::checksum::crc32c(&e.bytes[at..]));
     }
     e
 }
@@ -293,7 +400,7 @@ mod tests {
         /// Against the definition, for every width and length (tails included).
         #[test]
         fn shuffle_is_the_byte_plane_transpose(
-            src in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            src in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1000),
             width in proptest::sample::select(vec![2usize, 4, 8]),
         ) {
             let n = src.len() / width;
