@@ -99,6 +99,8 @@ mod simd {
     /// it moved.
     pub fn shuffle_tiles<const W: usize>(src: &[u8], planes: &mut [&mut [u8]; W]) -> usize {
         let tiles = planes[0].len() / LANES;
+        // SAFETY: SSE2 is always there on x86-64.
+        let mask = unsafe { _mm_set1_epi16(0x00FF) };
         for t in 0..tiles {
             // SAFETY: tile `t` covers src[t*16*W .. (t+1)*16*W] and planes[j][t*16 .. t*16+16],
             // all within bounds (the plane length is the element count); unaligned loads and
@@ -108,7 +110,6 @@ mod simd {
                 let mut v: [__m128i; W] =
                     std::array::from_fn(|r| _mm_loadu_si128(at.add(r * LANES).cast()));
                 for _ in 0..W.trailing_zeros() {
-                    let mask = _mm_set1_epi16(0x00FF);
                     v = std::array::from_fn(|r| {
                         let (k, odd) = (r % (W / 2), r >= W / 2);
                         let (a, b) = (v[2 * k], v[2 * k + 1]);
