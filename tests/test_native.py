@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import olmo_chunks
+import pytest
 import torch
 from olmo_chunks import fill
 
@@ -38,3 +39,25 @@ def test_strided_and_transposed_destinations_are_filled_in_place(tmp_path: Path)
     olmo_chunks.load(out, tmp_path / "c")
     assert torch.equal(backing.t(), w) and torch.equal(column_storage[:, 2], w[:, 0])
     assert column_storage[:, [0, 1, 3, 4]].abs().sum() == 0
+
+
+def test_read_once_loads_its_planned_copies_directly_and_checks_the_buffers(tmp_path: Path):
+    # The direct fallback of a cooperative load reuses the copies `ReadOnce` planned: the first
+    # buffers are filled, later ones (staged destinations) are left alone; buffers of other lengths
+    # than planned are refused before anything is written.
+    w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    olmo_chunks.save({"w": w}, tmp_path / "c")
+    m = olmo_chunks._core.Manifest.open(str(tmp_path / "c"))
+    col = torch.zeros(8, 2)  # columns 2:4, row-major: one copy per row
+    top = torch.zeros(3, 6)  # rows 0:3
+    targets = [olmo_chunks._core.Target(0, [olmo_chunks._core.Piece([0, 2], [8, 2], 0, [2, 1])], 0),
+               olmo_chunks._core.Target(0, [olmo_chunks._core.Piece([0, 0], [3, 6], 0, [6, 1])], 1)]
+    lens = [col.numel() * 4, top.numel() * 4]
+    ro = olmo_chunks._core.ReadOnce(m, targets, lens)
+    short = torch.zeros(8, 1)
+    planned = r"buffers of \[32\] bytes given for buffers planned as \[64, 72\]"
+    with pytest.raises(olmo_chunks.InvalidArgumentError, match=planned):
+        ro.load([(short.data_ptr(), 32)])
+    assert short.abs().sum() == 0
+    ro.load([(col.data_ptr(), lens[0])])
+    assert torch.equal(col, w[:, 2:4]) and top.abs().sum() == 0

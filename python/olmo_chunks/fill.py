@@ -129,7 +129,10 @@ class FillStep:
         manifest, verify, workers = self.manifest, self.verify, self.workers
         before = _core.io_counters()[0]
         t_read = time.perf_counter()
-        if self.direct:
+        planned = self.once.load.ro if self.once is not None else None
+        if planned is not None and self.direct:  # its copies are planned already (`needs`)
+            planned.load(self.once.load.storages, verify=verify, workers=workers)  # type: ignore[union-attr]
+        elif self.direct:
             _load_direct(manifest, self.direct, verify, workers)
         for batch in _batches(self.staged):
             _copy_into_place(batch, _load_staged(manifest, batch, verify, workers))

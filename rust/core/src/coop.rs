@@ -107,49 +107,75 @@ fn block_len(m: &Manifest, chunk: u64, block: u64) -> u64 {
 }
 
 /// The bytes of each block that `copies` read, in block order: per block, the disjoint runs
-/// they cover, runs of one length at one distance folded into one strided span.
+/// they cover, runs of one length at one distance folded into one strided span. One sort of the
+/// copies' pieces (already in order as `plan_copies` makes them) and one pass.
 pub fn needs(m: &Manifest, copies: &[ByteCopy]) -> Vec<Need> {
     let bs = m.block_size;
-    let mut runs: BTreeMap<(u64, u64), Vec<(u64, u64)>> = BTreeMap::new();
+    let mut pieces: Vec<(u64, u64, u64, u64)> = Vec::with_capacity(copies.len());
     for c in copies.iter().filter(|c| c.len > 0) {
         let (a, b) = (c.src, c.src + c.len);
         for block in a / bs..b.div_ceil(bs) {
-            let run = (a.max(block * bs), b.min((block + 1) * bs));
-            runs.entry((c.chunk as u64, block)).or_default().push(run);
+            pieces.push((
+                c.chunk as u64,
+                block,
+                a.max(block * bs),
+                b.min((block + 1) * bs),
+            ));
         }
     }
+    pieces.sort_unstable();
     let mut out = Vec::new();
-    for ((chunk, block), mut list) in runs {
-        list.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(list.len());
-        for (a, b) in list {
-            match merged.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => merged.push((a, b)),
+    let mut fold = Fold::default();
+    for (chunk, block, a, b) in pieces {
+        match &mut fold.run {
+            Some((key, run)) if *key == (chunk, block) && a <= run.1 => run.1 = run.1.max(b),
+            _ => {
+                fold.end_run(&mut out, (chunk, block));
+                fold.run = Some(((chunk, block), (a, b)));
             }
         }
-        let mut span: Option<Span> = None;
-        for (a, b) in merged {
-            match &mut span {
-                Some(s) if s.len == b - a && (s.count == 1 || a == s.lo + s.count * s.stride) => {
+    }
+    fold.end_run(&mut out, (u64::MAX, u64::MAX));
+    out
+}
+
+/// [`needs`]'s pass: the merged run being extended and the span the runs before it fold into,
+/// each with its `(chunk, block)`.
+#[derive(Default)]
+struct Fold {
+    run: Option<((u64, u64), (u64, u64))>,
+    span: Option<(u64, Span)>,
+}
+
+impl Fold {
+    /// Folds the current run into the span (or starts a new span), before a run of `next`.
+    fn end_run(&mut self, out: &mut Vec<Need>, next: (u64, u64)) {
+        if let Some(((chunk, block), (a, b))) = self.run.take() {
+            match &mut self.span {
+                Some((sb, s))
+                    if *sb == block
+                        && s.chunk == chunk
+                        && s.len == b - a
+                        && (s.count == 1 || a == s.lo + s.count * s.stride) =>
+                {
                     if s.count == 1 {
                         s.stride = a - s.lo; // > len: merged runs are apart
                     }
                     s.count += 1;
                 }
                 _ => {
-                    if let Some(s) = span.take() {
-                        out.push(Need { block, span: s });
+                    if let Some((block, span)) = self.span.take() {
+                        out.push(Need { block, span });
                     }
-                    span = Some(Span::plain(chunk, a, b));
+                    self.span = Some((block, Span::plain(chunk, a, b)));
                 }
             }
         }
-        if let Some(s) = span {
-            out.push(Need { block, span: s });
+        if self.span.is_some_and(|(b, s)| (s.chunk, b) != next) {
+            let (block, span) = self.span.take().unwrap();
+            out.push(Need { block, span });
         }
     }
-    out
 }
 
 /// Whether any block is needed by more than one rank (reading once then saves storage reads).

@@ -393,7 +393,7 @@ struct PyReadOnce {
     m: Arc<Manifest>,
     storage: Arc<dyn Storage>,
     copies: Vec<core::ByteCopy>,
-    buffers: usize,
+    lens: Vec<usize>,
     plan: core::coop::ReadPlan,
     by_round: Vec<Vec<core::ByteCopy>>,
 }
@@ -427,7 +427,7 @@ impl PyReadOnce {
             m,
             storage: manifest.storage.clone(),
             copies,
-            buffers: buffer_lens.len(),
+            lens: buffer_lens,
             plan: Default::default(),
             by_round: Vec::new(),
         })
@@ -441,6 +441,42 @@ impl PyReadOnce {
     fn needs(&self, py: Python<'_>) -> Py<pyo3::types::PyBytes> {
         let needs = core::coop::needs(&self.m, &self.copies);
         pyo3::types::PyBytes::new(py, &core::coop::encode_needs(&needs)).unbind()
+    }
+    /// Reads directly (as `Manifest.load`, without planning again) the copies into the first
+    /// `len(buffers)` buffers, which must have the lengths they were planned with; the others are
+    /// left to the caller. Spends the copies: a `ReadOnce` is loaded once, directly or in rounds.
+    #[pyo3(signature = (buffers, verify=true, workers=None))]
+    fn load(
+        &mut self,
+        py: Python<'_>,
+        buffers: Vec<(usize, usize)>,
+        verify: bool,
+        workers: Option<usize>,
+    ) -> PyResult<()> {
+        let n = buffers.len();
+        if n > self.lens.len() || buffers.iter().zip(&self.lens).any(|(b, &len)| b.1 != len) {
+            let lens: Vec<usize> = buffers.iter().map(|b| b.1).collect();
+            return Err(to_pyerr(
+                py,
+                CoreError::InvalidArgument(format!(
+                    "buffers of {lens:?} bytes given for buffers planned as {:?}",
+                    self.lens
+                )),
+            ));
+        }
+        let mut copies = std::mem::take(&mut self.copies);
+        copies.retain(|c| c.dst < n);
+        let (m, storage) = (self.m.clone(), self.storage.clone());
+        detach(py, move || {
+            core::read_from(
+                &*storage,
+                &m,
+                copies,
+                as_slices(&buffers)?,
+                verify,
+                worker_count(workers),
+            )
+        })
     }
     /// Takes this rank's plan (one item of `plan_read_once`'s result).
     fn start(&mut self, py: Python<'_>, plan: &[u8]) -> PyResult<()> {
@@ -472,7 +508,7 @@ impl PyReadOnce {
     }
     /// `(first, last)` round writing into each buffer, `None` for a buffer no round writes.
     fn buffer_rounds(&self) -> Vec<Option<(usize, usize)>> {
-        let mut out: Vec<Option<(usize, usize)>> = vec![None; self.buffers];
+        let mut out: Vec<Option<(usize, usize)>> = vec![None; self.lens.len()];
         for (k, copies) in self.by_round.iter().enumerate() {
             for c in copies {
                 let e = out[c.dst].get_or_insert((k, k));
@@ -515,13 +551,13 @@ impl PyReadOnce {
     ) -> PyResult<u64> {
         let round = self.round(py, k)?;
         let copies = &self.by_round[k];
-        if buffers.len() != self.buffers {
+        if buffers.len() != self.lens.len() {
             return Err(to_pyerr(
                 py,
                 CoreError::InvalidArgument(format!(
                     "{} buffers given for {}",
                     buffers.len(),
-                    self.buffers
+                    self.lens.len()
                 )),
             ));
         }

@@ -310,3 +310,48 @@ fn readers_read_runs_of_adjacent_blocks_and_stay_balanced() {
         );
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// `needs` against byte coverage: per block, its spans expand to exactly the maximal runs of
+    /// bytes the copies read (in order, inside the block), whatever the copies' order and overlaps.
+    #[test]
+    fn needs_are_the_bytes_copies_read(
+        seed in any::<u64>(),
+        block in prop::sample::select(vec![1u64, 3, 8, 64]),
+    ) {
+        let mut rng = Seeded::new(seed);
+        let tensors = vec![SavedTensor {
+            key: "w".into(),
+            dtype: "uint8".into(),
+            shape: vec![4, 50],
+            regions: random_partition(&mut rng, &[4, 50]),
+        }];
+        let m = in_memory_manifest(&tensors, block);
+        let mut copies = Vec::new();
+        for _ in 0..rng.range(0, 40) {
+            let chunk = rng.below(m.chunks.len() as u64) as usize;
+            let len = m.chunks[chunk].len;
+            let src = rng.below(len + 1);
+            let n = if rng.below(4) == 0 { rng.below(len - src + 1) } else { rng.below(3.min(len - src) + 1) };
+            copies.push(ByteCopy { chunk, src, dst: 0, dst_off: 0, len: n });
+        }
+        let mut covered: BTreeSet<(u64, u64)> = BTreeSet::new(); // (chunk, byte)
+        for c in &copies {
+            covered.extend((c.src..c.src + c.len).map(|b| (c.chunk as u64, b)));
+        }
+        let mut runs: Vec<(u64, u64, u64, u64)> = Vec::new(); // (chunk, block, lo, hi)
+        for &(chunk, b) in &covered {
+            match runs.last_mut() {
+                Some(r) if r.0 == chunk && r.1 == b / block && r.3 == b => r.3 += 1,
+                _ => runs.push((chunk, b / block, b, b + 1)),
+            }
+        }
+        let got: Vec<(u64, u64, u64, u64)> = coop::needs(&m, &copies)
+            .iter()
+            .flat_map(|n| n.span.pieces().map(move |(lo, hi)| (n.span.chunk, n.block, lo, hi)).collect::<Vec<_>>())
+            .collect();
+        prop_assert_eq!(got, runs);
+    }
+}
