@@ -9,8 +9,8 @@ cluster's network. Per operation the ranks run what `save` and `load` run on the
 
   save: plan (every rank describes its state, rank 0 plans and scatters assignments), lease, commit,
         close (the acknowledged last step)
-  load: open (arguments compared, rank 0 reads the manifest), check, read-once device, read-once
-        plan, close
+  load: open (arguments compared, rank 0 reads the manifest), check and decide how to read (each
+        rank's needs in, each rank's plan out), close
 
 (the manifest broadcast and the read-once needs/plans move by collectives, not modelled here).
 A step's time is the time from the moment the last rank finished the previous step to the
@@ -41,8 +41,6 @@ from datetime import timedelta
 from typing import Any
 
 BEFORE = "eedafe9"
-SAVE_STEPS = 4  # plan, lease, commit, close
-LOAD_STEPS = 5  # open, check, read-once device, read-once plan, close
 
 
 def _before_module() -> Any:
@@ -127,13 +125,14 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
             g.exchange(lambda: [], lambda written: None)
             times.append(time.time())
         else:  # a load
-            g.exchange(lambda: {"path": "/ckpt", "read": "once"}, lambda gathered: ("ok", 123456, ""))
+            g.exchange(lambda: {"path": "/ckpt", "read": "auto"}, lambda gathered: ("ok", 123456, ""))
             times.append(time.time())
-            g.agree(lambda: None)
-            times.append(time.time())
-            g.exchange(lambda: False, lambda cudas: "cpu")
-            times.append(time.time())
-            g.exchange(None, lambda _: True)
+            # What to load agreed and how to read it decided in one step (`FillStep`): each rank
+            # sends whether it is on CUDA, the exchanges it has measured and its needs (inline,
+            # at most max(256, 1 MiB / N) bytes); rank 0 sends each its decision and plan.
+            needs = bytes(min(200, max(256, (1 << 20) // size)))
+            g.exchange(lambda: (False, ["cpu"], needs),
+                       lambda got: [(("once", 0.1, 0.09, ""), "cpu", False, needs)] * size, scatter=True)
             times.append(time.time())
         g.close()
         times.append(time.time())
