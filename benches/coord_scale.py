@@ -129,10 +129,12 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
             times.append(time.time())
             # What to load agreed and how to read it decided in one step (`FillStep`): each rank
             # sends whether it is on CUDA, the exchanges it has measured and its needs (inline,
-            # at most max(256, 1 MiB / N) bytes); rank 0 sends each its decision and plan.
-            needs = bytes(min(200, max(256, (1 << 20) // size)))
-            g.exchange(lambda: (False, ["cpu"], needs),
-                       lambda got: [(("once", 0.1, 0.09, ""), "cpu", False, needs)] * size, scatter=True)
+            # at most max(256, 1 MiB / N) bytes; 200 bytes here); rank 0 sends each its decision
+            # and plan.
+            needs = bytes(200)
+            g.exchange(lambda needs=needs: (False, ["cpu"], needs),
+                       lambda got, needs=needs: [(("once", 0.1, 0.09, ""), "cpu", False, needs)] * size,
+                       scatter=True)
             times.append(time.time())
         g.close()
         times.append(time.time())
