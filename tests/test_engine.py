@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import olmo_chunks
 import pytest
@@ -129,7 +133,7 @@ def test_a_save_session_rolls_data_files_at_its_budget_and_commits_through_the_c
     path = str(tmp_path / "c")
     olmo_chunks.save({"old": torch.ones(3)}, path)
     parts = [torch.full((25,), float(i)) for i in range(5)]  # 100 bytes each
-    with SaveSession(path, rank=3, budget=250) as s:
+    with SaveSession(path, rank=3, budget=500) as s:  # files of at most 250 bytes held
         s.begin(overwrite=True)
         for i, t in enumerate(parts):
             s.add(f"t{i}", _core.Box([0], [25]), t, owned=True)  # made for the save: counts
@@ -145,6 +149,102 @@ def test_a_save_session_rolls_data_files_at_its_budget_and_commits_through_the_c
     olmo_chunks.load(back, path)
     assert all(torch.equal(back[f"{p}{i}"], parts[i]) for i in range(5) for p in "tb")
     assert os.listdir(tmp_path / "c" / "data") == [s.save_id]  # the old save's data is gone
+
+
+def _gated_writes(monkeypatch: pytest.MonkeyPatch, files: int, fail_at: int | None = None) -> dict[str, list[int]]:
+    """Makes `SaveSession` record its stagings and writes of a save of `files` data files: the
+    write of each file but the last waits (up to 20 s) until the next file has been staged, and
+    the write of file `fail_at` fails with StorageError. Returns the record: the files staged, the
+    files whose write saw the next one staged while it was in flight, the writing threads."""
+    from olmo_chunks import session as session_mod
+
+    seen: dict[str, list[int]] = {"staged": [], "overlapped": [], "threads": []}
+    stage, write_chunks = session_mod.SaveSession._stage, _core.write_chunks
+
+    def staging(self: Any, batch: Any) -> Any:
+        out = stage(self, batch)
+        seen["staged"].append(len(seen["staged"]))
+        return out
+
+    def writing(target: str, name: str, *args: Any) -> Any:
+        part = re.search(r"rank-\d+(?:-(\d+))?\.bin$", name)
+        assert part is not None, name
+        k = int(part.group(1) or 0)
+        seen["threads"].append(threading.get_ident())
+        if k == fail_at:
+            raise olmo_chunks.StorageError(5, f"{name}: injected write failure")
+        deadline = time.monotonic() + 20
+        while len(seen["staged"]) <= k + 1 < files and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if len(seen["staged"]) > k + 1:
+            seen["overlapped"].append(k)
+        return write_chunks(target, name, *args)
+
+    monkeypatch.setattr(session_mod.SaveSession, "_stage", staging)
+    monkeypatch.setattr(_core, "write_chunks", writing)
+    return seen
+
+
+def test_a_save_session_stages_the_next_file_while_the_last_one_is_written(tmp_path: Path, monkeypatch):
+    from olmo_chunks.session import SaveSession
+
+    path = str(tmp_path / "c")
+    # Non-contiguous CPU tensors are staged (copied into a host buffer) like accelerator ones:
+    # 6 x 400 bytes, a budget of 1600 bytes: files of two chunks, staged while the one before is
+    # written.
+    parts = [torch.arange(100, dtype=torch.float32).reshape(10, 10).t() + i for i in range(6)]
+    seen = _gated_writes(monkeypatch, files=3)
+    with SaveSession(path, budget=1600) as s:
+        s.begin(overwrite=False)
+        written = s.write([(f"t{i}", _core.Box([0, 0], [10, 10]), t) for i, t in enumerate(parts)])
+        assert [c.file.rsplit("/", 1)[-1] for c in written] == [
+            "rank-00000.bin", "rank-00000.bin", "rank-00000-001.bin", "rank-00000-001.bin",
+            "rank-00000-002.bin", "rank-00000-002.bin"]
+        s.commit({f"t{i}": ("float32", [10, 10], "main_weight") for i in range(6)}, written, {}, {})
+    assert seen["staged"] == [0, 1, 2] and seen["overlapped"] == [0, 1]
+    assert threading.get_ident() not in seen["threads"]  # written by the session's thread
+    back = {f"t{i}": torch.zeros(10, 10) for i in range(6)}
+    olmo_chunks.load(back, path)
+    assert all(torch.equal(back[f"t{i}"], parts[i]) for i in range(6))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a save from CUDA needs a GPU")
+def test_a_save_from_cuda_overlaps_its_device_to_host_copies_with_writes(tmp_path: Path, monkeypatch):
+    from olmo_chunks.session import SaveSession
+
+    path = str(tmp_path / "c")
+    parts = [torch.randn(256, 256, device="cuda") for _ in range(6)]  # 256 KiB each
+    seen = _gated_writes(monkeypatch, files=3)
+    with SaveSession(path, budget=1 << 20) as s:
+        s.begin(overwrite=False)
+        written = s.write([(f"t{i}", _core.Box([0, 0], [256, 256]), t) for i, t in enumerate(parts)])
+        assert s._spare is not None and s._spare.is_pinned()
+        s.commit({f"t{i}": ("float32", [256, 256], "main_weight") for i in range(6)}, written, {}, {})
+    assert seen["staged"] == [0, 1, 2] and seen["overlapped"] == [0, 1]
+    back = {f"t{i}": torch.zeros(256, 256) for i in range(6)}
+    olmo_chunks.load(back, path)
+    assert all(torch.equal(back[f"t{i}"], parts[i].cpu()) for i in range(6))
+
+
+def test_a_failed_background_write_fails_the_save_and_leaves_the_checkpoint(tmp_path: Path, monkeypatch):
+    from olmo_chunks.session import SaveSession
+
+    path = str(tmp_path / "c")
+    olmo_chunks.save({"old": torch.ones(3)}, path)
+    before = _core.Manifest.open(path).save_id
+    seen = _gated_writes(monkeypatch, files=3, fail_at=1)
+    parts = [torch.full((10, 10), float(i)).t() for i in range(6)]
+    with (pytest.raises(olmo_chunks.StorageError, match=r"rank-00000-001\.bin: injected write failure"),
+          SaveSession(path, budget=1600) as s):
+        s.begin(overwrite=True)
+        s.write([(f"t{i}", _core.Box([0, 0], [10, 10]), t) for i, t in enumerate(parts)])
+    # File 2 was staged while file 1's write failed; the failure surfaced before it was written.
+    assert seen["staged"] == [0, 1, 2] and len(seen["threads"]) == 2
+    assert sorted(os.listdir(tmp_path / "c" / "data")) == [before]  # the failed save's files are gone
+    assert not (tmp_path / "c" / ".olmo_chunks.lease").exists()
+    out = {"old": torch.zeros(3)}
+    olmo_chunks.load(out, path)
+    assert torch.equal(out["old"], torch.ones(3))
 
 
 def test_an_abandoned_save_session_leaves_the_checkpoint_as_it_was(tmp_path: Path):

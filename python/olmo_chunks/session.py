@@ -12,7 +12,9 @@ checkpoint it had.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -45,16 +47,26 @@ def staging_bytes(chunks: Iterable[ChunkItem]) -> int:
     return sum(-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in chunks)
 
 
+def _staged(t: torch.Tensor) -> bool:
+    """Whether a chunk's tensor is copied into host memory before it is written."""
+    return t.device.type != "cpu" or not t.is_contiguous()
+
+
 class SaveSession:
     """This rank's part of one save into `target`: the data files it writes under `save_id` and,
     on the coordinator (after `begin`), the transaction it commits.
 
-    `add` queues a chunk `(key, region, tensor)` for the current data file; the file is written
-    (`flush`) before the bytes the session holds would pass `budget`. Held bytes are those made for
-    the save: the host copies of accelerator tensors (staged when their file is written) and the
-    tensors passed with `owned=True` (read from elsewhere by an importer). CPU tensors the caller
-    still holds are written from their own memory and cost nothing. `written` collects where every
-    chunk went, in order."""
+    `add` queues a chunk `(key, region, tensor)` for the next data file. Held bytes are those made
+    for the save: the host copies of accelerator tensors and of non-contiguous CPU tensors (staged
+    when their file is written) and the tensors passed with `owned=True` (read from elsewhere by an
+    importer). CPU tensors the caller still holds are written from their own memory and cost
+    nothing. Files are written double-buffered: once the queued chunks hold half of `budget`, they
+    are staged into a host buffer (pinned when any is on an accelerator; the buffer of the file
+    before last is reused) and written by a thread of this process while the caller goes on adding
+    and staging the next file, so device-to-host copies overlap writes and the bytes held, queued
+    and being written, stay within `budget` (or two chunks, where one alone is larger than half of
+    it). `flush` writes what is queued and waits for every write; an error of a write is raised by
+    the next `add` or `flush`. `written` collects where every chunk went, in order."""
 
     def __init__(self, target: str, *, rank: int = 0, save_id: str = "", block_size: int = _core.DEFAULT_BLOCK_SIZE,
                  workers: int | None = None, zstd: int | None = None, budget: int = STAGING_BYTES) -> None:
@@ -65,6 +77,8 @@ class SaveSession:
         self.parts = 0
         self._pending: list[ChunkItem] = []
         self._held = 0
+        self._writing: tuple[threading.Thread, list[BaseException], torch.Tensor | None] | None = None
+        self._spare: torch.Tensor | None = None  # the staging buffer no write is using
 
     def begin(self, overwrite: bool, lease_timeout: float | None = None) -> str:
         """Takes the path's lease and starts the save (the coordinator); returns the save id."""
@@ -75,38 +89,94 @@ class SaveSession:
         return self.save_id
 
     def add(self, key: str, region: Any, tensor: torch.Tensor, *, owned: bool = False) -> None:
-        """Queues one chunk; writes the queued ones first if holding this one too would pass the
-        budget."""
-        cost = tensor.numel() * tensor.element_size() if owned or tensor.device.type != "cpu" else 0
-        if self._pending and cost and self._held + cost > self.budget:
-            self.flush()
-        self._pending.append((key, region, tensor if tensor.device.type != "cpu" else tensor.contiguous()))
+        """Queues one chunk; starts writing the queued ones first if holding this one too would
+        pass half the budget."""
+        cost = tensor.numel() * tensor.element_size() if owned or _staged(tensor) else 0
+        if self._pending and cost and self._held + cost > self.budget // 2:
+            self._start()
+        self._pending.append((key, region, tensor))
         self._held += cost
 
     def write(self, chunks: Iterable[ChunkItem]) -> list[_core.WrittenChunk]:
         """Writes `chunks` (all of them, in as many files as the budget asks); returns where each went."""
         start = len(self.written)
-        for key, region, t in chunks:
-            self.add(key, region, t)
-        self.flush()
+        try:
+            for key, region, t in chunks:
+                self.add(key, region, t)
+            self.flush()
+        except BaseException:
+            self._settle()  # no file of the save is still being written when the error is seen
+            raise
         return self.written[start:]
 
     def flush(self) -> None:
-        """Writes the queued chunks into this rank's next data file, accelerator tensors through
-        pinned host buffers."""
+        """Writes the queued chunks into this rank's next data file and waits for every write."""
+        self._start()
+        self._wait()
+
+    def _start(self) -> None:
+        """Stages the queued chunks, waits for the write before, and starts writing them."""
         batch, self._pending, self._held = self._pending, [], 0
         if not batch:
             return
+        staged, buffer = self._stage(batch)
+        self._wait()
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                self.write_file(staged)
+            except BaseException as exc:  # raised in the caller's thread by `_wait`
+                errors.append(exc)
+
+        thread = threading.Thread(target=write, name="olmo-chunks-save-write")
+        self._writing = (thread, errors, buffer)
+        thread.start()
+
+    def _stage(self, batch: list[ChunkItem]) -> tuple[list[ChunkItem], torch.Tensor | None]:
+        """`batch` with its accelerator and non-contiguous tensors copied into one host buffer
+        (the spare one when it is large enough and pinned where it must be), and that buffer."""
+        copies = [c for c in batch if _staged(c[2])]
+        if not copies:
+            return batch, None
+        need = staging_bytes(copies)
+        pinned = torch.cuda.is_available() and any(t.device.type != "cpu" for _, _, t in copies)
+        buffer, self._spare = self._spare, None
+        if buffer is None or buffer.numel() < need or (pinned and not buffer.is_pinned()):
+            buffer = None  # free the old one first
+            buffer = torch.empty(need, dtype=torch.uint8, pin_memory=pinned)
         staged: list[ChunkItem] = []
+        at = 0
         for key, region, t in batch:
-            if t.device.type != "cpu":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                host.copy_(t, non_blocking=True)
+            if _staged(t):
+                n = t.numel() * t.element_size()
+                host = buffer[at : at + n].view(t.dtype).view(t.shape)
+                host.copy_(t, non_blocking=t.device.type != "cpu")
+                at += -(-n // 64) * 64
                 t = host
             staged.append((key, region, t))
-        if len(staged) != sum(t.device.type == "cpu" for _, _, t in batch):
+        if pinned:
             torch.cuda.synchronize()
-        self.write_file(staged)
+        return staged, buffer
+
+    def _settle(self) -> None:
+        """Drops what is queued and waits for the write in flight, whatever its outcome (the save
+        is being abandoned for an error already raised)."""
+        self._pending, self._held, self._spare = [], 0, None
+        with contextlib.suppress(BaseException):
+            self._wait()
+
+    def _wait(self) -> None:
+        """Waits for the write in flight, keeps its buffer for the next file, raises its error."""
+        if self._writing is None:
+            return
+        thread, errors, buffer = self._writing
+        thread.join()
+        self._writing = None
+        if buffer is not None and (self._spare is None or buffer.numel() > self._spare.numel()):
+            self._spare = buffer
+        if errors:
+            raise errors[0]
 
     def write_file(self, chunks: list[ChunkItem]) -> list[_core.WrittenChunk]:
         """Writes contiguous CPU chunks `(key, region, data)` into this rank's next data file."""
@@ -137,7 +207,9 @@ class SaveSession:
         )
 
     def abort(self) -> None:
-        """Abandons the save if it was begun here and not committed (a no-op after the commit)."""
+        """Abandons the save if it was begun here and not committed (a no-op after the commit),
+        once no write of this rank is in flight."""
+        self._settle()
         if self.txn is not None:
             self.txn.abort()
             self.txn = None
