@@ -151,7 +151,7 @@ class SaveSession:
             if _staged(t):
                 n = t.numel() * t.element_size()
                 host = buffer[at : at + n].view(t.dtype).view(t.shape)
-                host.copy_(t, non_blocking=t.device.type != "cpu")
+                host.copy_(t, non_blocking=pinned and t.is_cuda)  # pinned: synchronized below
                 at += -(-n // 64) * 64
                 t = host
             staged.append((key, region, t))
