@@ -61,3 +61,5 @@ def test_read_once_loads_its_planned_copies_directly_and_checks_the_buffers(tmp_
     assert short.abs().sum() == 0
     ro.load([(col.data_ptr(), lens[0])])
     assert torch.equal(col, w[:, 2:4]) and top.abs().sum() == 0
+    with pytest.raises(olmo_chunks.InvalidArgumentError, match="loaded already"):
+        ro.load([(col.data_ptr(), lens[0])])

@@ -394,6 +394,7 @@ struct PyReadOnce {
     storage: Arc<dyn Storage>,
     copies: Vec<core::ByteCopy>,
     lens: Vec<usize>,
+    loaded: bool,
     plan: core::coop::ReadPlan,
     by_round: Vec<Vec<core::ByteCopy>>,
 }
@@ -428,6 +429,7 @@ impl PyReadOnce {
             storage: manifest.storage.clone(),
             copies,
             lens: buffer_lens,
+            loaded: false,
             plan: Default::default(),
             by_round: Vec::new(),
         })
@@ -444,7 +446,7 @@ impl PyReadOnce {
     }
     /// Reads directly (as `Manifest.load`, without planning again) the copies into the first
     /// `len(buffers)` buffers, which must have the lengths they were planned with; the others are
-    /// left to the caller. Spends the copies: a `ReadOnce` is loaded once, directly or in rounds.
+    /// left to the caller. Spends the copies: a second call is refused.
     #[pyo3(signature = (buffers, verify=true, workers=None))]
     fn load(
         &mut self,
@@ -453,6 +455,14 @@ impl PyReadOnce {
         verify: bool,
         workers: Option<usize>,
     ) -> PyResult<()> {
+        if self.loaded {
+            return Err(to_pyerr(
+                py,
+                CoreError::InvalidArgument(
+                    "this ReadOnce was loaded already (its copies are spent)".into(),
+                ),
+            ));
+        }
         let n = buffers.len();
         if n > self.lens.len() || buffers.iter().zip(&self.lens).any(|(b, &len)| b.1 != len) {
             let lens: Vec<usize> = buffers.iter().map(|b| b.1).collect();
@@ -465,6 +475,7 @@ impl PyReadOnce {
             ));
         }
         let mut copies = std::mem::take(&mut self.copies);
+        self.loaded = true;
         copies.retain(|c| c.dst < n);
         let (m, storage) = (self.m.clone(), self.storage.clone());
         detach(py, move || {
