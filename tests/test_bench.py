@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -195,3 +197,13 @@ def test_compression_bench_tiny(tmp_path: Path) -> None:
         assert rows["raw"]["ratio"] == 1.0 and 0 < rows["zstd-1"]["ratio"] < 0.95
         assert set(rows["zstd-1"]["pays_below_gbps"]) == {"save", "load"}
         assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in rows.values())
+
+
+def test_save_staging_bench_tiny(tmp_path: Path) -> None:
+    # 32 transposed tensors of 128 KiB in files of 512 KiB: staged, double-buffered, verified.
+    out = subprocess.run([sys.executable, str(ROOT / "benches" / "save_staging.py"), "--gib", "0.004",
+                          "--budget-mib", "1", "--reps", "1", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "files of 0.5 MiB" in out.stdout and "olmo_chunks save (double-buffered)" in out.stdout
+    assert os.listdir(tmp_path) == []  # its checkpoints are removed
