@@ -436,6 +436,18 @@ pub fn read_from(
                 }
                 return Ok(());
             }
+            if let Some(w) = f.window() {
+                let mut check =
+                    verify.then(|| BlockCheck::new(m, u.chunk, ch, u.start, u.end, path));
+                let mut seen = |b: &[u8]| {
+                    if let Some(c) = check.as_mut() {
+                        c.feed(b)
+                    }
+                };
+                let at = ch.offset + u.start;
+                read_windows(&**f, at, len, &mut parts, w, scratch, &mut seen).map_err(io_err)?;
+                return check.map_or(Ok(()), BlockCheck::finish);
+            }
             // One vectored read straight into the destinations; bytes no target wants land in
             // scratch (they are read anyway, for the block checksums).
             let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
@@ -566,6 +578,62 @@ fn read_error(
         needed,
         size,
     }
+}
+
+/// Reads bytes `at..at + len` of `f` in windows of `w` bytes, each handed to `seen` as it lands:
+/// straight into the destination where one part (`(offset in the range, destination)`, disjoint,
+/// in order) takes a whole window; otherwise into the first `w` bytes of `scratch`, the same ones
+/// for every window, and copied from there into the parts. Bytes a rank reads only for the
+/// checksums (the other half of a row) then stay in the CPU's cache, and the checksum runs over
+/// whole windows, not over each small piece.
+fn read_windows(
+    f: &dyn Object,
+    at: u64,
+    len: usize,
+    parts: &mut [(u64, &mut [u8])],
+    w: usize,
+    scratch: &mut Vec<u8>,
+    seen: &mut dyn FnMut(&[u8]),
+) -> std::io::Result<()> {
+    scratch.resize(w.min(len), 0);
+    let mut next = parts
+        .iter_mut()
+        .map(|(off, dst)| (*off as usize, &mut **dst));
+    let mut cur = next.next(); // the part being filled, from its offset on
+    let mut start = 0usize;
+    while start < len {
+        let end = (start + w).min(len);
+        match cur.take() {
+            Some((off, dst)) if off == start && dst.len() >= end - start => {
+                let (head, tail) = dst.split_at_mut(end - start);
+                f.read_exact_at(&mut [&mut *head], at + start as u64)?;
+                seen(head);
+                cur = if tail.is_empty() {
+                    next.next()
+                } else {
+                    Some((end, tail))
+                };
+            }
+            mut part => {
+                let window = &mut scratch[..end - start];
+                f.read_exact_at(&mut [&mut *window], at + start as u64)?;
+                seen(window);
+                while let Some((off, dst)) = part.take_if(|p| p.0 < end) {
+                    let n = dst.len().min(end - off);
+                    let (head, tail) = dst.split_at_mut(n);
+                    head.copy_from_slice(&window[off - start..off - start + n]);
+                    part = if tail.is_empty() {
+                        next.next()
+                    } else {
+                        Some((off + n, tail))
+                    };
+                }
+                cur = part;
+            }
+        }
+        start = end;
+    }
+    Ok(())
 }
 
 /// The first `n` bytes of `spare`, which keeps the rest.
@@ -947,4 +1015,76 @@ pub fn verify_from(
         Ok(())
     })?;
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Bytes in memory, each read recorded.
+    struct Mem(Vec<u8>, Mutex<Vec<(u64, usize)>>);
+
+    impl Object for Mem {
+        fn size(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read_exact_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> std::io::Result<()> {
+            let mut at = offset as usize;
+            for b in bufs.iter_mut() {
+                let src = self.0.get(at..at + b.len());
+                b.copy_from_slice(src.ok_or(std::io::ErrorKind::UnexpectedEof)?);
+                at += b.len();
+            }
+            self.1.lock().unwrap().push((offset, at - offset as usize));
+            Ok(())
+        }
+        fn write_all_at(&self, _: &[u8], _: u64) -> std::io::Result<()> {
+            unimplemented!()
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    proptest! {
+        /// Against the bytes themselves: every part gets its bytes, `seen` gets the whole range
+        /// in order, and each read is one window (at most `w` bytes, in order, gapless).
+        #[test]
+        fn read_windows_fills_parts_and_sees_every_byte(
+            len in 1usize..400,
+            at in 0u64..50,
+            w in 1usize..70,
+            cuts in proptest::collection::vec((0usize..400, any::<bool>()), 0..40),
+        ) {
+            let data: Vec<u8> = (0..at as usize + len).map(|i| (i * 7 + i / 256) as u8).collect();
+            // Disjoint parts from sorted cut points, each kept or left as a gap.
+            let mut points: Vec<usize> = cuts.iter().map(|c| c.0 % (len + 1)).collect();
+            points.extend([0, len]);
+            points.sort_unstable();
+            points.dedup();
+            let spans: Vec<(usize, usize)> = points.windows(2).zip(&cuts)
+                .filter(|(_, c)| c.1).map(|(p, _)| (p[0], p[1])).collect();
+            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(a, b)| vec![0; b - a]).collect();
+            let mut parts: Vec<(u64, &mut [u8])> = spans.iter().zip(bufs.iter_mut())
+                .map(|(&(a, _), b)| (a as u64, &mut b[..])).collect();
+            let f = Mem(data.clone(), Mutex::new(Vec::new()));
+            let mut seen = Vec::new();
+            let mut scratch = Vec::new();
+            read_windows(&f, at, len, &mut parts, w, &mut scratch, &mut |b| seen.extend_from_slice(b))
+                .unwrap();
+            let range = &data[at as usize..at as usize + len];
+            prop_assert_eq!(&seen[..], range);
+            for (&(a, b), buf) in spans.iter().zip(&bufs) {
+                prop_assert_eq!(&buf[..], &range[a..b]);
+            }
+            let reads = f.1.lock().unwrap().clone();
+            let mut pos = at;
+            for (off, n) in reads {
+                prop_assert!(off == pos && n <= w && n > 0);
+                pos += n as u64;
+            }
+            prop_assert_eq!(pos, at + len as u64);
+        }
+    }
 }

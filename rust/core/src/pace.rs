@@ -86,6 +86,9 @@ impl Object for PacedObject {
         pace_read(bufs.iter().map(|b| b.len() as u64).sum());
         Ok(())
     }
+    fn window(&self) -> Option<usize> {
+        self.inner.window()
+    }
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
         self.inner.write_all_at(data, offset)
     }

@@ -69,6 +69,13 @@ pub trait Object: Send + Sync {
         bufs.iter().for_each(|b| seen(b));
         Ok(())
     }
+    /// The most bytes a read may ask for and still cost about what a longer one does per byte
+    /// (a local file's `preadv`, `Some`): a reader may then read a range window by window, with
+    /// one window-sized buffer, kept in the CPU's cache, taking the bytes it only checks. `None`
+    /// (an object store, one request per read): read a range in one go.
+    fn window(&self) -> Option<usize> {
+        None
+    }
     /// Writes all of `data` at `offset`.
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()>;
     /// Declares that bytes `offset..offset + len` are never written and stay zero (alignment
@@ -391,6 +398,10 @@ impl Object for LocalObject {
             IoSliceMut::advance_slices(&mut rest, n);
         }
         Ok(())
+    }
+
+    fn window(&self) -> Option<usize> {
+        Some(SEEN_WINDOW)
     }
 
     /// Reads in windows of [`SEEN_WINDOW`] bytes, each handed to `seen` before the next is read.
