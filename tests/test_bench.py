@@ -50,7 +50,8 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
         (w, m) for w in saved for m in ("native", "dcp", "raw")}
     assert {(r["where"], r["method"]) for r in res["load"]} == {
         (name, m) for name, _, _ in bench.PAIRS
-        for m in contenders | {"raw", "native-noverify", "native-once", "native-direct"}}
+        for m in contenders | {"raw", "native-noverify", "native-once", "native-direct", "native-once@url",
+                               "native-direct@url"}}
     for name, _, _ in bench.PAIRS:
         read = {r["method"]: r["read_x"] for r in res["load"] if r["where"] == name}
         assert read["raw"] == 1.0  # the loading ranks' shares of the raw files, once
@@ -61,10 +62,13 @@ def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
         # every contender reads at least the checkpoint's bytes; reading once never reads more than direct
         assert all(x >= 1.0 for x in read.values()), read
         assert read["native-once"] <= read["native-direct"] + 1e-9, read
-        (auto,) = [r for r in res["load"] if r["where"] == name and r["method"] == "native"]
-        assert auto["chose"] in ("once", "direct") and auto["of_best_mode"] > 0, auto
-        # The default reads what the mode it chose reads.
-        assert read["native"] == pytest.approx(read[f"native-{auto['chose']}"], rel=0.05), (read, auto["chose"])
+        for suffix in ("", "@url"):  # auto against its two modes, on local storage and on the object store
+            auto = rows[f"native{suffix}"]
+            modes = [rows[f"native-{m}{suffix}"]["gbps"] for m in ("once", "direct")]
+            assert auto["chose"] in ("once", "direct") and math.isclose(auto["of_best_mode"], auto["gbps"] / max(modes))
+            # The default reads what the mode it chose reads.
+            assert read[f"native{suffix}"] == pytest.approx(read[f"native-{auto['chose']}{suffix}"], rel=0.05), (
+                read, auto["chose"])
     assert {(r["where"], r["method"]) for r in res["stall"]} == {
         (w, m) for w in saved for m in ("raw", "native", "native-async", "dcp-async")}
     for row in res["save"] + res["stage"] + res["stall"] + res["load"]:

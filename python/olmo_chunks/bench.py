@@ -556,7 +556,9 @@ _CHOSEN: dict[str, str] = {}
 
 def _base(method: str) -> str:
     """The contender whose checkpoint a load method reads."""
-    return method.removesuffix("-noverify").removesuffix("-direct").removesuffix("-once")
+    at_url = method.endswith(URL_SUFFIX)
+    method = method.removesuffix(URL_SUFFIX).removesuffix("-noverify").removesuffix("-direct").removesuffix("-once")
+    return method + URL_SUFFIX if at_url else method
 
 
 URL_SUFFIX = "@url"
@@ -638,6 +640,8 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                     continue
                 dst = _hold(specs, b, rank)
                 loads = ["native", "native-once", "native-direct", "native-noverify", *contenders[1:]]
+                if opts.url:  # auto's choice on the object store, against both of its modes there
+                    loads += [f"native-once{URL_SUFFIX}", f"native-direct{URL_SUFFIX}"]
                 for method in ["raw", *_rotated(loads, rep)]:
                     if dst is not None:
                         for t in dst.locals.values():
@@ -706,14 +710,17 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
             roofs = {r["method"]: r["gbps"] for r in where_rows if r["method"] in ("raw", RAW_URL)}
             dcp_rows = [r for r in where_rows if r["method"].startswith("dcp")]
             dcp_best = max(r["gbps"] for r in dcp_rows) if dcp_rows else None
-            modes = [r["gbps"] for r in where_rows if r["method"] in ("native-once", "native-direct")]
+            modes = {suffix: [r["gbps"] for r in where_rows
+                              if r["method"] in (f"native-once{suffix}", f"native-direct{suffix}")]
+                     for suffix in ("", URL_SUFFIX)}
             for row in where_rows:
                 # an object store's rows against the same bytes moved with object_store alone
                 at_url = row["method"].endswith(URL_SUFFIX) and RAW_URL in roofs
                 row["of_roofline"] = row["gbps"] / roofs[RAW_URL if at_url else "raw"]
                 row["x_dcp"] = row["gbps"] / dcp_best if dcp_best else None
-                if row["method"] == "native" and modes:
-                    row["of_best_mode"] = row["gbps"] / max(modes)
+                suffix = URL_SUFFIX if row["method"].endswith(URL_SUFFIX) else ""
+                if row["method"] == f"native{suffix}" and modes[suffix]:
+                    row["of_best_mode"] = row["gbps"] / max(modes[suffix])
     return {
         "machine": machine_info(opts.root),
         "state_bytes": total,
