@@ -714,11 +714,10 @@ def _summarize(opts: Options, specs: list[TensorSpec], per_rank: list[list[dict[
                               if r["method"] in (f"native-once{suffix}", f"native-direct{suffix}")]
                      for suffix in ("", URL_SUFFIX)}
             for row in where_rows:
-                # an object store's rows against the same bytes moved with object_store alone
-                at_url = row["method"].endswith(URL_SUFFIX) and RAW_URL in roofs
-                row["of_roofline"] = row["gbps"] / roofs[RAW_URL if at_url else "raw"]
-                row["x_dcp"] = row["gbps"] / dcp_best if dcp_best else None
                 suffix = URL_SUFFIX if row["method"].endswith(URL_SUFFIX) else ""
+                # an object store's rows against the same bytes moved with object_store alone
+                row["of_roofline"] = row["gbps"] / roofs[RAW_URL if suffix and RAW_URL in roofs else "raw"]
+                row["x_dcp"] = row["gbps"] / dcp_best if dcp_best else None
                 if row["method"] == f"native{suffix}" and modes[suffix]:
                     row["of_best_mode"] = row["gbps"] / max(modes[suffix])
     return {

@@ -1040,7 +1040,7 @@ mod tests {
             Ok(())
         }
         fn write_all_at(&self, _: &[u8], _: u64) -> std::io::Result<()> {
-            unimplemented!()
+            Err(std::io::ErrorKind::Unsupported.into()) // read-only: the tests only read
         }
         fn sync(&self) -> std::io::Result<()> {
             Ok(())
