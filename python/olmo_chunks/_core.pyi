@@ -268,15 +268,14 @@ class ReadOnce:
     def read(
         self,
         k: int,
-        read: tuple[int, int],
         send: tuple[int, int],
+        buffers: list[tuple[int, int]],
         verify: bool = True,
         workers: int | None = None,
-    ) -> float: ...
+    ) -> tuple[float, int]: ...
     def fill(
         self,
         k: int,
-        read: tuple[int, int],
         recv: tuple[int, int],
         buffers: list[tuple[int, int]],
         workers: int | None = None,

@@ -73,7 +73,7 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     # How the bytes came: "once" (each block read by one rank, handed to the others) or "direct";
-    # with "once", the rounds and the most bytes this rank read, sent and received in one; with
+    # with "once", the rounds and the most bytes this rank staged (sent and received) at once; with
     # read="auto", the predicted seconds of both and the rates they came from.
     reading: ReadOutcome = field(default_factory=ReadOutcome)
 

@@ -10,8 +10,9 @@ checked: the checkpoint must hold the same bytes for both keys.
 Across the ranks of a job (`read="once"`), a saved block that several ranks need is read from
 storage by one of them and handed to the others with torch collectives (`all_to_all` on gloo for
 CPU, on NCCL for CUDA destinations): the core plans which rank reads what (`ReadOnce`,
-`plan_read_once`), in rounds in which no rank reads, sends and receives more than half of
-`STAGING_BYTES`; the next round is read while one is exchanged.
+`plan_read_once`), in rounds in which no rank sends and receives more than half of
+`STAGING_BYTES` (what a reader needs itself goes straight into place); the next round is read
+while one is exchanged.
 When no block is needed by two ranks, every rank reads its own, as with `read="direct"`. With
 `read="auto"` (the default) the core predicts both strategies' time from measured rates
 (`olmo_chunks.rates`) and the load takes the faster.
@@ -59,7 +60,7 @@ class Fill:
 @dataclass
 class ReadOutcome:
     """How a load's bytes came: `read` "once" (with its rounds, and the most bytes this rank held
-    for them at once: read, sent and received, two rounds overlapping) or "direct"; with
+    for them at once: sent and received, two rounds overlapping) or "direct"; with
     `read="auto"`, the predicted seconds of both strategies and the rates they came from (`why`);
     and the seconds the reads took."""
 
@@ -494,25 +495,26 @@ class _CooperativeLoad:
             raise self.failure
 
     def _read(self, k: int) -> _Round:
-        """Round `k`'s buffers (with the stages it starts), its blocks read and what peers need of
-        them packed. On the helper thread when read ahead: no other step touches the stages until
-        it is done."""
+        """Round `k`'s blocks read (with the stages it starts): this rank's own bytes of them
+        straight into place, what peers need packed. On the helper thread when read ahead: no
+        other step touches the buffers until it is done."""
         for i in self.first.get(k, []):
             if i in self.fill_of:
                 f = self.fill_of[i]
                 self.stages[i] = torch.empty(tuple(f.dest.shape), dtype=f.saved_dtype, pin_memory=self.pin)
                 self.buffers[i] = (self.stages[i].data_ptr(), self.lens[i])
         sizes = self.ro.round_bytes(k)
-        read = torch.empty(sizes.read, dtype=torch.uint8, pin_memory=self.pin)
         send = torch.empty(sum(sizes.sends.values()), dtype=torch.uint8, pin_memory=self.pin)
-        self.read_s += self.ro.read(k, _addr(read), _addr(send), self.verify, self.workers)
+        seconds, copied = self.ro.read(k, _addr(send), self.buffers, self.verify, self.workers)
+        self.read_s += seconds
         self.read_bytes += sizes.read
-        return _Round(sizes, read, send)
+        self.copied += copied
+        return _Round(sizes, send)
 
     def _fill(self, k: int, cur: _Round, recv: torch.Tensor) -> None:
-        """Round `k`'s copies into place from what it read and received; the stages it ends are
-        copied into their destinations (or checked against the tensor they are tied to)."""
-        self.copied += self.ro.fill(k, _addr(cur.read), _addr(recv), self.buffers, self.workers)
+        """Round `k`'s copies into place from what it received; the stages it ends are copied into
+        their destinations (or checked against the tensor they are tied to)."""
+        self.copied += self.ro.fill(k, _addr(recv), self.buffers, self.workers)
         done = [i for i in self.last.get(k, []) if i in self.stages]
         into = [i for i in done if id(self.fill_of[i]) not in self.tied_to]
         _copy_into_place([self.fill_of[i] for i in into], [self.stages[i] for i in into])
@@ -525,16 +527,15 @@ class _CooperativeLoad:
 
 @dataclass
 class _Round:
-    """One round's bytes on this rank: what it read, and what it sends (packed for its peers)."""
+    """One round's bytes on this rank: its sizes, and what it sends (packed for its peers)."""
 
     sizes: _core.RoundBytes
-    read: torch.Tensor
     send: torch.Tensor
 
 
 def _outgoing(sizes: _core.RoundBytes) -> int:
-    """Bytes a round holds before its exchange: what it read and what it sends."""
-    return sizes.read + sum(sizes.sends.values())
+    """Bytes a round holds before its exchange: what it sends."""
+    return sum(sizes.sends.values())
 
 
 def _addr(t: torch.Tensor) -> tuple[int, int]:

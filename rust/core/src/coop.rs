@@ -5,11 +5,12 @@
 //! saved block, the span of it that it needs ([`needs`]). One rank turns every rank's needs into a
 //! [`ReadPlan`] per rank ([`plan`]): each block gets one reader among the ranks that need it (the one
 //! with the fewest bytes to read so far), readers read whole blocks (so checksums are verified where
-//! the bytes come from storage), and the blocks are cut into rounds in which no rank reads, sends
-//! and receives more than a budget of bytes. A round is: read (and pack what goes to each peer),
-//! one all-to-all of the packed bytes, then the copies into destinations from the bytes read and
-//! received ([`fill_round`]). Bytes move in one order that both sides derive from the plan: block
-//! by block, peers in rank order.
+//! the bytes come from storage), and the blocks are cut into rounds in which no rank sends and
+//! receives more than a budget of bytes (what it must stage). A round is: read, the reader's own
+//! bytes straight into its destinations and what goes to each peer packed ([`read_round`]), one
+//! all-to-all of the packed bytes, then the copies into destinations from the bytes received
+//! ([`fill_round`]). Bytes move in one order that both sides derive from the plan: block by block,
+//! peers in rank order.
 
 use std::collections::BTreeMap;
 
@@ -73,7 +74,7 @@ impl Span {
 /// One rank's part of one round.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Round {
-    /// Blocks this rank reads (whole blocks, adjacent ones merged), into its read buffer in order.
+    /// Blocks this rank reads (whole blocks, adjacent ones merged), in order.
     pub reads: Vec<Span>,
     /// `(peer, spans)` this rank sends, peers ascending, each peer's spans in block order.
     pub sends: Vec<(u32, Vec<Span>)>,
@@ -272,8 +273,8 @@ pub fn predict(direct: &[u64], plans: &[ReadPlan], rates: &Rates) -> Prediction 
 }
 
 /// Plans a cooperative load of `m` for ranks whose needs are `needs` (one list per rank), in
-/// rounds where no rank reads, sends and receives more than `budget` bytes together (a single
-/// block over the budget makes a round of its own).
+/// rounds where no rank sends and receives more than `budget` bytes together (a single block
+/// over the budget makes a round of its own; what a reader keeps goes straight into place).
 pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPlan>> {
     let world = needs.len();
     // (chunk, block) -> the ranks needing it, with their spans
@@ -339,8 +340,9 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
             }
         }
         let sent: u64 = takes.iter().map(|t| t.1).sum();
+        // Only what moves between ranks is staged: a reader's own bytes go straight into place.
         let over = |cost: &[u64]| {
-            cost[reader as usize] + len + sent > budget
+            cost[reader as usize] + sent > budget
                 || takes.iter().any(|&(r, n)| cost[r as usize] + n > budget)
         };
         if !open || over(&cost) {
@@ -352,7 +354,7 @@ pub fn plan(m: &Manifest, needs: &[Vec<Need>], budget: u64) -> Result<Vec<ReadPl
             open = true;
         }
         load[reader as usize] += len;
-        cost[reader as usize] += len + sent;
+        cost[reader as usize] += sent;
         for &(r, n) in &takes {
             cost[r as usize] += n;
         }
@@ -418,59 +420,62 @@ fn push_peer(peers: &mut Vec<(u32, Vec<Span>)>, peer: u32, s: Span) {
     }
 }
 
-/// Reads round `round`'s blocks into `read_buf` (verifying checksums when `verify`) and packs the
-/// bytes each peer needs from them into `send_buf`, peers in order. Returns the seconds the reads
-/// took (without the packing): what the storage's rate is learned from.
-pub fn read_round(
+/// Reads round `k`'s blocks (`round`) and puts their bytes where they go, in one pass: the parts
+/// of this rank's own copies of the round (`copies`, one round's item of
+/// [`ReadPlan::copies_by_round`]) that lie in the blocks it reads go straight into `dests`, and
+/// what its peers need is packed into `send_buf`. Returns the seconds the reads took (the
+/// packing included) and the bytes copied into `dests`.
+#[allow(clippy::too_many_arguments)]
+pub fn read_round<'a>(
     storage: &dyn Storage,
     m: &Manifest,
     round: &Round,
-    read_buf: &mut [u8],
-    send_buf: &mut [u8],
+    copies: &[ByteCopy],
+    send_buf: &'a mut [u8],
+    mut dests: Vec<&'a mut [u8]>,
     verify: bool,
     workers: usize,
-) -> Result<f64> {
-    check_len("read", round.read_len(), read_buf.len())?;
+) -> Result<(f64, u64)> {
     check_len("send", total(&round.sends), send_buf.len())?;
     let reads = pieces(&round.reads);
+    let mut own: Vec<ByteCopy> = copies
+        .iter()
+        .filter(|c| c.len > 0 && holds(&reads, c))
+        .copied()
+        .collect();
+    let copied = own.iter().map(|c| c.len).sum();
+    own.extend(copies_into(
+        &pieces(round.sends.iter().flat_map(|p| &p.1)),
+        dests.len(),
+    ));
+    dests.push(send_buf);
     let t0 = std::time::Instant::now();
-    read_from(
-        storage,
-        m,
-        copies_into(&reads, 0),
-        vec![&mut *read_buf],
-        verify,
-        workers,
-    )?;
-    let seconds = t0.elapsed().as_secs_f64();
-    let sends = pieces(round.sends.iter().flat_map(|p| &p.1));
-    copy_from(
-        &segments(&reads, read_buf),
-        &copies_into(&sends, 0),
-        vec![send_buf],
-        workers,
-    )?;
-    Ok(seconds)
+    read_from(storage, m, own, dests, verify, workers)?;
+    Ok((t0.elapsed().as_secs_f64(), copied))
 }
 
-/// Executes the `copies` (of the whole load) that fall in this round, from the bytes this rank
-/// read (`read_buf`) and received (`recv_buf`, peers in order). Returns the bytes copied.
+/// Whether the sorted, disjoint `pieces` hold all of copy `c`'s source bytes.
+fn holds(pieces: &[(u64, u64, u64)], c: &ByteCopy) -> bool {
+    let (chunk, a, b) = (c.chunk as u64, c.src, c.src + c.len);
+    let i = pieces.partition_point(|p| (p.0, p.2) <= (chunk, a));
+    pieces
+        .get(i)
+        .is_some_and(|&(pc, lo, hi)| pc == chunk && lo <= a && b <= hi)
+}
+
+/// Executes the `copies` (of one round, as [`read_round`] takes them) that come from the bytes
+/// this rank received (`recv_buf`, peers in order); [`read_round`] did the others. Returns the
+/// bytes copied.
 pub fn fill_round(
     round: &Round,
-    read_buf: &[u8],
     recv_buf: &[u8],
     copies: &[ByteCopy],
     dests: Vec<&mut [u8]>,
     workers: usize,
 ) -> Result<u64> {
-    check_len("read", round.read_len(), read_buf.len())?;
     check_len("receive", total(&round.recvs), recv_buf.len())?;
-    let mut segs = segments(&pieces(&round.reads), read_buf);
-    segs.extend(segments(
-        &pieces(round.recvs.iter().flat_map(|p| &p.1)),
-        recv_buf,
-    ));
-    segs.sort_unstable_by_key(|s| (s.0, s.1));
+    let mut segs = segments(&pieces(round.recvs.iter().flat_map(|p| &p.1)), recv_buf);
+    segs.sort_unstable_by_key(|s| (s.0, s.1)); // peers in order, each in block order
     copy_from(&segs, copies, dests, workers)
 }
 

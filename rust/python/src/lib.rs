@@ -400,6 +400,20 @@ struct PyReadOnce {
 }
 
 impl PyReadOnce {
+    /// `InvalidArgumentError` unless `buffers` are as many as planned.
+    fn check_buffers(&self, py: Python<'_>, buffers: &[(usize, usize)]) -> PyResult<()> {
+        if buffers.len() == self.lens.len() {
+            return Ok(());
+        }
+        Err(to_pyerr(
+            py,
+            CoreError::InvalidArgument(format!(
+                "{} buffers given for {}",
+                buffers.len(),
+                self.lens.len()
+            )),
+        ))
+    }
     fn round(&self, py: Python<'_>, k: usize) -> PyResult<&core::coop::Round> {
         self.plan.rounds.get(k).ok_or_else(|| {
             to_pyerr(
@@ -528,56 +542,56 @@ impl PyReadOnce {
         }
         out
     }
-    /// Reads round `k`'s blocks into `read` and packs what goes to each peer into `send`
-    /// (`(address, nbytes)` of CPU buffers); returns the seconds the reads took (not the packing).
-    #[pyo3(signature = (k, read, send, verify=true, workers=None))]
+    /// Reads round `k`'s blocks: this rank's own bytes of them straight into `buffers` (as
+    /// `fill` takes them), what goes to each peer packed into `send` (`(address, nbytes)` of CPU
+    /// buffers). Returns the seconds the reads took and the bytes copied into `buffers`.
+    #[pyo3(signature = (k, send, buffers, verify=true, workers=None))]
     fn read(
         &self,
         py: Python<'_>,
         k: usize,
-        read: (usize, usize),
         send: (usize, usize),
+        buffers: Vec<(usize, usize)>,
         verify: bool,
         workers: Option<usize>,
-    ) -> PyResult<f64> {
+    ) -> PyResult<(f64, u64)> {
         let round = self.round(py, k)?;
-        let (m, storage) = (&self.m, &self.storage);
+        self.check_buffers(py, &buffers)?;
+        let (m, storage, copies) = (&self.m, &self.storage, &self.by_round[k]);
         detach(py, move || {
-            let mut bufs = as_slices(&[read, send])?.into_iter();
-            let (r, s) = (bufs.next().unwrap(), bufs.next().unwrap());
-            core::coop::read_round(&**storage, m, round, r, s, verify, worker_count(workers))
+            let mut all = buffers;
+            all.push(send);
+            let mut dests = as_slices(&all)?;
+            let send = dests.pop().unwrap();
+            core::coop::read_round(
+                &**storage,
+                m,
+                round,
+                copies,
+                send,
+                dests,
+                verify,
+                worker_count(workers),
+            )
         })
     }
-    /// Copies round `k`'s part of the load from the bytes read (`read`) and received (`recv`)
-    /// into `buffers`; returns the bytes copied.
-    #[pyo3(signature = (k, read, recv, buffers, workers=None))]
+    /// Copies round `k`'s bytes received (`recv`) into `buffers`; returns the bytes copied.
+    #[pyo3(signature = (k, recv, buffers, workers=None))]
     fn fill(
         &self,
         py: Python<'_>,
         k: usize,
-        read: (usize, usize),
         recv: (usize, usize),
         buffers: Vec<(usize, usize)>,
         workers: Option<usize>,
     ) -> PyResult<u64> {
         let round = self.round(py, k)?;
+        self.check_buffers(py, &buffers)?;
         let copies = &self.by_round[k];
-        if buffers.len() != self.lens.len() {
-            return Err(to_pyerr(
-                py,
-                CoreError::InvalidArgument(format!(
-                    "{} buffers given for {}",
-                    buffers.len(),
-                    self.lens.len()
-                )),
-            ));
-        }
         detach(py, move || {
-            let mut sides = as_slices(&[read, recv])?.into_iter();
-            let (r, v) = (sides.next().unwrap(), sides.next().unwrap());
+            let v = as_slices(&[recv])?.pop().unwrap();
             core::coop::fill_round(
                 round,
-                r,
                 v,
                 copies,
                 as_slices(&buffers)?,

@@ -288,10 +288,11 @@ pub struct PyRoundBytes {
 
 #[pymethods]
 impl PyRoundBytes {
-    /// Read, sent and received bytes together: what the round holds at once.
+    /// Sent and received bytes together: what the round stages (what it reads for this rank goes
+    /// straight into place).
     #[getter]
     fn total(&self) -> u64 {
-        self.read + self.sends.values().sum::<u64>() + self.recvs.values().sum::<u64>()
+        self.sends.values().sum::<u64>() + self.recvs.values().sum::<u64>()
     }
     fn __repr__(&self) -> String {
         format!(
