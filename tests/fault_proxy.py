@@ -7,7 +7,9 @@ the S3 server at 127.0.0.1:TARGET that answers the first COUNT METHOD requests f
 - `short`: the server's status and headers, then half the body, then the connection closed;
 - `long-length`: the body whole, under a Content-Length larger than it (the connection then closed);
 - `other-range`: a ranged GET answered with the bytes of the range just after the one asked for,
-  under a Content-Range that says so.
+  under a Content-Range that says so;
+- `vanished`: a HEAD of a clock probe (`.olmo_chunks.clock-*`, not a data object) answered 404, as
+  when another save's cleanup removed the probe between its PUT and its HEAD.
 
 Each request is forwarded on a fresh upstream connection; the client's connection is kept alive.
 It prints `faults N` on stdout after each fault it injects.
@@ -81,9 +83,13 @@ class Proxy:
         a, b = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
         n = b - a + 1
         # other-range answers with the range just before the one asked for, of the same length.
-        applies = path.split("?", 1)[0].endswith(".bin") and method == self.method and (
+        key = path.split("?", 1)[0]
+        wanted = ".olmo_chunks.clock-" in key if self.fault == "vanished" else key.endswith(".bin")
+        applies = wanted and method == self.method and (
             self.fault != "other-range" or (m is not None and a >= n > 0))
         fault = self.take(applies)
+        if fault == "vanished":
+            return self.injected(serialize(b"HTTP/1.1 404 Not Found", {"content-length": "0"}, b""), False)
         if fault in ("slowdown", "error500"):
             status, code = (b"HTTP/1.1 503 Slow Down", "SlowDown") if fault == "slowdown" else (
                 b"HTTP/1.1 500 Internal Server Error", "InternalError")

@@ -415,6 +415,28 @@ def test_each_server_fault_is_retried_or_fails_clearly_never_with_wrong_bytes(s3
     assert got.split(":")[0] == outcome, got
 
 
+@pytest.mark.parametrize(("vanishes", "outcome"), [(2, "CheckpointLockedError"), (3, "MissingDataFileError")])
+def test_a_clock_probe_removed_by_another_saves_cleanup_is_written_again(s3, bucket, monkeypatch, vanishes, outcome):
+    # Judging another writer's lease takes the server's clock from a probe object; that writer's
+    # cleanup of dead saves' leftovers may remove the probe before its HEAD. Up to 3 probes.
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="probe/.olmo_chunks.lease", Body=b'{"host": "elsewhere"}')
+    proxy = FaultProxy(s3.port, "vanished", "HEAD", vanishes)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        with pytest.raises(OlmoChunksError) as err:
+            _core.SaveTransaction.begin(f"s3://{bucket}/probe", False, 60.0)
+    finally:
+        injected = proxy.close()
+    assert injected == vanishes
+    assert type(err.value).__name__ == outcome, err.value
+    if outcome == "CheckpointLockedError":
+        assert "another save holds its lease" in str(err.value)
+    else:
+        assert "the clock probe vanished 3 times" in str(err.value)
+    assert not [k for k in s3.keys(bucket) if ".olmo_chunks.clock-" in k]  # every probe removed
+
+
 def test_racing_saves_commit_one_checkpoint_and_the_loser_gets_a_clear_error(s3, bucket):
     url = f"s3://{bucket}/race"
     barrier = threading.Barrier(2)

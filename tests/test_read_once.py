@@ -153,6 +153,18 @@ def test_the_once_factor_moves_halfway_and_stays_bounded():
     rates._once_factor.pop(key)
 
 
+def test_a_probe_whose_tiny_all_to_all_was_slow_does_not_make_the_exchange_free():
+    from olmo_chunks import rates
+
+    # 6 MB moved in 0.1 s after a 0.02 s tiny one: the latency comes off.
+    r = rates.ExchangeRates.probed(6_000_000, small_s=0.02, big_s=0.1, copy_s=0.004)
+    assert r.bps == pytest.approx(6e6 / 0.08) and r.round_s == pytest.approx(0.04)
+    assert r.copy_bps == pytest.approx(rates.PROBE_BYTES / 0.004)
+    # The tiny one as slow as the big one, or slower: at most half the big one comes off.
+    for small in (0.1, 0.5):
+        assert rates.ExchangeRates.probed(6_000_000, small_s=small, big_s=0.1, copy_s=0.004).bps == pytest.approx(1.2e8)
+
+
 def _two_auto_loads(path: str) -> tuple[str, str]:
     from olmo_chunks import rates
 

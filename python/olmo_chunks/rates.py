@@ -56,6 +56,15 @@ class ExchangeRates:
     round_s: float
     copy_bps: float
 
+    @staticmethod
+    def probed(moved: int, small_s: float, big_s: float, copy_s: float) -> ExchangeRates:
+        """The rates of a probe in which each rank moved `moved` bytes in `big_s` seconds and
+        nothing in `small_s`, and copied `PROBE_BYTES` in `copy_s`. The latency taken off the big
+        all-to-all is at most half of it: a tiny one that happened to be slow must not make the
+        exchange look free."""
+        return ExchangeRates(moved / max(big_s - small_s, big_s / 2, 1e-9), 2 * small_s,
+                             PROBE_BYTES / max(copy_s, 1e-9))
+
 
 def _key(source: str) -> str:
     """What storage `source` (a checkpoint's location) is, for the learned rates: its bucket, or

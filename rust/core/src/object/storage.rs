@@ -22,6 +22,9 @@ use crate::storage::{
 };
 use crate::txn::{CLOCK_PREFIX, MAX_LEASE_LEN, UPLOAD_SUFFIX};
 
+/// Clock probes written before [`ObjectStorage::clock`] gives up on probes that vanish.
+const CLOCK_TRIES: u32 = 3;
+
 /// A prefix of a bucket, holding one checkpoint.
 #[derive(Clone)]
 pub struct ObjectStorage {
@@ -518,18 +521,31 @@ impl Storage for ObjectStorage {
     }
 
     /// The server's: the time it stamps on a probe object, written and removed (three requests,
-    /// made only to judge a lease that another writer holds).
+    /// made only to judge a lease that another writer holds). That writer's cleanup of the
+    /// leftovers of dead saves may remove the probe before it is read: then another is written,
+    /// up to `CLOCK_TRIES` in all.
     fn clock(&self) -> Result<SystemTime> {
-        let probe = format!("{CLOCK_PREFIX}{}", crate::txn::new_save_id()?);
-        self.put(&probe, b"", PutMode::Overwrite)?;
-        let head = Storage::head(self, &probe);
-        let _ = self.delete(&probe);
-        head?.map(|h| h.modified).ok_or_else(|| {
-            CoreError::io(
-                self.name(&probe),
-                std::io::Error::new(std::io::ErrorKind::NotFound, "the clock probe vanished"),
-            )
-        })
+        let mut tries = 0;
+        loop {
+            let probe = format!("{CLOCK_PREFIX}{}", crate::txn::new_save_id()?);
+            self.put(&probe, b"", PutMode::Overwrite)?;
+            let head = Storage::head(self, &probe);
+            let _ = self.delete(&probe);
+            tries += 1;
+            match head? {
+                Some(h) => return Ok(h.modified),
+                None if tries < CLOCK_TRIES => continue,
+                None => {
+                    return Err(CoreError::io(
+                        self.name(&probe),
+                        std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            format!("the clock probe vanished {tries} times"),
+                        ),
+                    ))
+                }
+            }
+        }
     }
 
     fn put_if(&self, rel: &str, bytes: &[u8], cond: PutIf<'_>) -> Result<Option<Version>> {
