@@ -109,6 +109,32 @@ def test_ranged_reads_of_one_object_are_merged_into_few_requests(s3, bucket, mon
         olmo_chunks.load({k: torch.zeros_like(v) for k, v in sd.items()}, url)
 
 
+def _many(seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i:03d}": torch.randn(4096, generator=g) for i in range(300)}
+
+
+def once_load_requests_worker(url: str) -> tuple[str, bool, int]:
+    want = _many()
+    back = {k: torch.zeros_like(v) for k, v in want.items()}
+    before = _core.object_store_counters(url)[2]
+    report = olmo_chunks.load(back, url, read="once")
+    requests = _core.object_store_counters(url)[2] - before
+    return report.read, all(torch.equal(back[k], v) for k, v in want.items()), requests
+
+
+def test_reading_once_what_every_rank_needs_keeps_the_reads_merged(s3, bucket):
+    # 300 tensors of 16 KB in one object, every one needed by all 3 ranks: each block is read by
+    # one rank, into its own tensors, and copied from there for the other two. Reading it into
+    # the three places at once would cost a request per tensor.
+    url = f"s3://{bucket}/replicated"
+    olmo_chunks.save(_many(), url)
+    results = world.run(3, in_env, s3.env(), once_load_requests_worker, url)
+    print(f"\nread once by 3 ranks, 300 tensors in one object: requests per rank {[r[2] for r in results]}")
+    assert all(read == "once" and exact for read, exact, _ in results)
+    assert all(requests <= 4 for *_, requests in results), results
+
+
 def test_async_save_to_a_url(s3, bucket):
     url = f"s3://{bucket}/async"
     olmo_chunks.async_save(_state(5, 100_000), url, pool_bytes=64 << 10).result()  # staged in batches

@@ -423,8 +423,10 @@ fn push_peer(peers: &mut Vec<(u32, Vec<Span>)>, peer: u32, s: Span) {
 /// Reads round `k`'s blocks (`round`) and puts their bytes where they go, in one pass: the parts
 /// of this rank's own copies of the round (`copies`, one round's item of
 /// [`ReadPlan::copies_by_round`]) that lie in the blocks it reads go straight into `dests`, and
-/// what its peers need is packed into `send_buf`. Returns the seconds the reads took (the
-/// packing included) and the bytes copied into `dests`.
+/// what its peers need is packed into `send_buf`. Bytes wanted in several places (a block every
+/// rank needs) are read into one of them and copied from there into the others, so that the
+/// reads stay few and large. Returns the seconds the reads took (not those copies) and the bytes
+/// copied into `dests`.
 #[allow(clippy::too_many_arguments)]
 pub fn read_round<'a>(
     storage: &dyn Storage,
@@ -438,20 +440,93 @@ pub fn read_round<'a>(
 ) -> Result<(f64, u64)> {
     check_len("send", total(&round.sends), send_buf.len())?;
     let reads = pieces(&round.reads);
-    let mut own: Vec<ByteCopy> = copies
+    let mut all: Vec<ByteCopy> = copies
         .iter()
         .filter(|c| c.len > 0 && holds(&reads, c))
         .copied()
         .collect();
-    let copied = own.iter().map(|c| c.len).sum();
-    own.extend(copies_into(
+    let copied = all.iter().map(|c| c.len).sum();
+    all.extend(copies_into(
         &pieces(round.sends.iter().flat_map(|p| &p.1)),
         dests.len(),
     ));
     dests.push(send_buf);
+    let (first, again) = (all, Vec::<ByteCopy>::new());
+    if !again.is_empty() {
+        // Every destination range in bounds and apart: what makes the copies below sound.
+        let every: Vec<ByteCopy> = first.iter().chain(&again).copied().collect();
+        carve(&every, dests.iter_mut().map(|d| &mut **d).collect())?;
+    }
     let t0 = std::time::Instant::now();
-    read_from(storage, m, own, dests, verify, workers)?;
-    Ok((t0.elapsed().as_secs_f64(), copied))
+    read_from(
+        storage,
+        m,
+        first.clone(),
+        dests.iter_mut().map(|d| &mut **d).collect(),
+        verify,
+        workers,
+    )?;
+    let seconds = t0.elapsed().as_secs_f64();
+    for c in &again {
+        let (a, b) = (c.src, c.src + c.len);
+        let mut i = first.partition_point(|f| (f.chunk, f.src + f.len) <= (c.chunk, a));
+        while let Some(f) = first.get(i).filter(|f| f.chunk == c.chunk && f.src < b) {
+            let (x, y) = (a.max(f.src), b.min(f.src + f.len));
+            let from = (f.dst, (f.dst_off + x - f.src) as usize);
+            copy_between(
+                &mut dests,
+                from,
+                (c.dst, (c.dst_off + x - a) as usize),
+                (y - x) as usize,
+            );
+            i += 1;
+        }
+    }
+    Ok((seconds, copied))
+}
+
+/// `copies` split into those whose source bytes no earlier one has (sorted by source, apart:
+/// what is read) and the rest (to be copied from where the first landed). At one source the
+/// earlier in `copies` comes first.
+fn split_repeats(mut copies: Vec<ByteCopy>) -> (Vec<ByteCopy>, Vec<ByteCopy>) {
+    copies.sort_by_key(|c| (c.chunk, c.src)); // stable: a rank's own copies before its sends
+    let (mut first, mut again) = (Vec::with_capacity(copies.len()), Vec::new());
+    let mut end: Option<(usize, u64)> = None; // how far the chunk's bytes are read so far
+    for c in copies {
+        let seen = match end {
+            Some((chunk, e)) if chunk == c.chunk => e.saturating_sub(c.src).min(c.len),
+            _ => 0,
+        };
+        if seen > 0 {
+            again.push(ByteCopy { len: seen, ..c });
+        }
+        if seen < c.len {
+            first.push(ByteCopy {
+                src: c.src + seen,
+                dst_off: c.dst_off + seen,
+                len: c.len - seen,
+                ..c
+            });
+            end = Some((c.chunk, c.src + c.len));
+        }
+    }
+    (first, again)
+}
+
+/// Copies `n` bytes from `(buffer, offset)` `from` to `to` among `dests` (ranges apart).
+fn copy_between(dests: &mut [&mut [u8]], from: (usize, usize), to: (usize, usize), n: usize) {
+    let ((s, so), (d, dof)) = (from, to);
+    match s.cmp(&d) {
+        std::cmp::Ordering::Equal => dests[d].copy_within(so..so + n, dof),
+        std::cmp::Ordering::Less => {
+            let (lo, hi) = dests.split_at_mut(d);
+            hi[0][dof..dof + n].copy_from_slice(&lo[s][so..so + n]);
+        }
+        std::cmp::Ordering::Greater => {
+            let (lo, hi) = dests.split_at_mut(s);
+            lo[d][dof..dof + n].copy_from_slice(&hi[0][so..so + n]);
+        }
+    }
 }
 
 /// Whether the sorted, disjoint `pieces` hold all of copy `c`'s source bytes.
