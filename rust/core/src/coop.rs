@@ -451,7 +451,7 @@ pub fn read_round<'a>(
         dests.len(),
     ));
     dests.push(send_buf);
-    let (first, again) = (all, Vec::<ByteCopy>::new());
+    let (first, again) = split_repeats(all);
     if !again.is_empty() {
         // Every destination range in bounds and apart: what makes the copies below sound.
         let every: Vec<ByteCopy> = first.iter().chain(&again).copied().collect();
