@@ -153,6 +153,28 @@ def test_the_once_factor_moves_halfway_and_stays_bounded():
     rates._once_factor.pop(key)
 
 
+def test_a_read_that_faulted_in_its_destinations_does_not_teach_the_storage_rate(tmp_path):
+    from olmo_chunks import rates
+
+    source = str(tmp_path)
+    rates._learned.clear()
+    rates.learn_storage(source, 64 << 20, 0.5, faulted=48 << 20)  # fresh tensors: the faults timed
+    assert rates.storage_rate(source)[1] == "prior"
+    rates.learn_storage(source, 64 << 20, 0.5, faulted=8 << 20)  # a few fresh pages: counted
+    assert rates.storage_rate(source) == (pytest.approx((64 << 20) / 0.5), "learned")
+    rates._learned.clear()
+    # 32 MiB of fresh pages written (a new mapping: no allocator hands back memory it holds) grow
+    # this process by about that much.
+    import mmap
+
+    fresh = mmap.mmap(-1, 32 << 20)
+    before = rates.resident_bytes()
+    for at in range(0, len(fresh), 4096):
+        fresh[at] = 1
+    assert rates.resident_bytes() - before >= 31 << 20 or before == 0
+    fresh.close()
+
+
 def test_a_probe_whose_tiny_all_to_all_was_slow_does_not_make_the_exchange_free():
     from olmo_chunks import rates
 

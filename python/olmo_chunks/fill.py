@@ -128,7 +128,7 @@ class FillStep:
                 outcome.seconds = time.perf_counter() - self.t0
                 return outcome
         manifest, verify, workers = self.manifest, self.verify, self.workers
-        before = _core.io_counters()[0]
+        before, resident = _core.io_counters()[0], rates.resident_bytes()
         t_read = time.perf_counter()
         planned = self.once.load.ro if self.once is not None else None
         if planned is not None and self.direct:  # its copies are planned already (`needs`)
@@ -140,7 +140,8 @@ class FillStep:
         first = {id(f): key for f, key in self.tied}
         for batch in _batches([f for f, _ in self.tied]):
             _check_tied(batch, _load_staged(manifest, batch, verify, workers), first)
-        rates.learn_storage(self.source, _core.io_counters()[0] - before, time.perf_counter() - t_read)
+        rates.learn_storage(self.source, _core.io_counters()[0] - before, time.perf_counter() - t_read,
+                            rates.resident_bytes() - resident)
         outcome.seconds = time.perf_counter() - self.t0
         return outcome
 
@@ -402,7 +403,7 @@ class _CooperativeLoad:
                  source: str) -> None:
         self.manifest, self.group, self.verify, self.workers = manifest, group, verify, workers
         self.source = source
-        self.read_s, self.read_bytes = 0.0, 0
+        self.read_s, self.read_bytes, self.faulted = 0.0, 0, 0
         self.storages, self.direct_targets = _storages(direct)
         others = staged + [f for f, _ in tied]
         self.fill_of = {len(self.storages) + j: f for j, f in enumerate(others)}
@@ -472,7 +473,7 @@ class _CooperativeLoad:
             stopped = self._any_failed()
         if stopped:
             self.group.agree(self._raise_failure)
-        rates.learn_storage(self.source, self.read_bytes, self.read_s)
+        rates.learn_storage(self.source, self.read_bytes, self.read_s, self.faulted)
         return ro.rounds, held
 
     def _attempt(self, fn: Callable[..., T], *args: Any) -> T | None:
@@ -510,7 +511,10 @@ class _CooperativeLoad:
                 self.buffers[i] = (self.stages[i].data_ptr(), self.lens[i])
         sizes = self.ro.round_bytes(k)
         send = torch.empty(sum(sizes.sends.values()), dtype=torch.uint8, pin_memory=self.pin)
+        resident = rates.resident_bytes()
         seconds, copied = self.ro.read(k, _addr(send), self.buffers, self.verify, self.workers)
+        # The send buffer is fresh by design (the model's copy rate has its page faults).
+        self.faulted += max(0, rates.resident_bytes() - resident - send.numel())
         self.read_s += seconds
         self.read_bytes += sizes.read
         self.copied += copied

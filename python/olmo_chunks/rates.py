@@ -34,7 +34,16 @@ from dataclasses import dataclass
 from . import _core
 from .location import is_url
 
-__all__ = ["PRIORS", "PROBE_BYTES", "ExchangeRates", "learn_once", "learn_storage", "once_factor", "storage_rate"]
+__all__ = [
+    "PRIORS",
+    "PROBE_BYTES",
+    "ExchangeRates",
+    "learn_once",
+    "learn_storage",
+    "once_factor",
+    "resident_bytes",
+    "storage_rate",
+]
 
 # Bytes per second per rank assumed for a storage this process has not read yet: a node's own
 # disk or page cache, or an object store through one client.
@@ -93,10 +102,26 @@ def storage_rate(source: str) -> tuple[float, str]:
     return PRIORS["object" if is_url(source) else "file"], "prior"
 
 
-def learn_storage(source: str, nbytes: int, seconds: float) -> None:
-    """Records that this rank read `nbytes` of `source`'s storage in `seconds` (small reads, whose
-    time is mostly latency, are not counted)."""
-    if nbytes < (1 << 20) or seconds <= 0:
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, in bytes (0 where `/proc` does not say)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def learn_storage(source: str, nbytes: int, seconds: float, faulted: int = 0) -> None:
+    """Records that this rank read `nbytes` of `source`'s storage in `seconds`, while its resident
+    memory grew by `faulted` bytes of pages touched for the first time. Not counted: small reads,
+    whose time is mostly latency, and reads that faulted in more than a quarter of their bytes
+    (destinations written for the first time). Those timed the kernel's page faults, which both
+    read strategies pay alike, as much as the storage: on this project's VM a first load into
+    fresh tensors measured 0.30 GB/s from a page cache that the next load read at 2.4-4.5."""
+    if nbytes < (1 << 20) or seconds <= 0 or faulted > nbytes // 4:
         return
     key, rate = _key(source), nbytes / seconds
     old = _learned.get(key)
