@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import io
 import json
 import math
@@ -242,12 +243,23 @@ def _check(held: _Held, what: str) -> None:
 
 
 def timed(fn: Callable[[], Any], group: Any = None) -> float:
-    """Seconds `fn` takes on the slowest rank: barrier, run, barrier."""
-    dist.barrier(group)
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier(group)
-    return time.perf_counter() - t0
+    """Seconds `fn` takes on the slowest rank: barrier, run, barrier. Python's cyclic collector runs
+    before, not inside, as in training loops that manage it (OLMo-core's and Megatron's GC
+    settings): a full collection of a bench rank's heap took 90-310 ms, more than most loads it
+    landed in, at random. What lived before is frozen out of later collections."""
+    gc.collect()
+    gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier(group)
+        return time.perf_counter() - t0
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _status(field: str) -> int:
