@@ -457,11 +457,17 @@ pub fn read_round<'a>(
         let every: Vec<ByteCopy> = first.iter().chain(&again).copied().collect();
         carve(&every, dests.iter_mut().map(|d| &mut **d).collect())?;
     }
+    // Where the repeated bytes are copied from (kept only when there are some).
+    let landed = if again.is_empty() {
+        Vec::new()
+    } else {
+        first.clone()
+    };
     let t0 = std::time::Instant::now();
     read_from(
         storage,
         m,
-        first.clone(),
+        first,
         dests.iter_mut().map(|d| &mut **d).collect(),
         verify,
         workers,
@@ -469,8 +475,8 @@ pub fn read_round<'a>(
     let seconds = t0.elapsed().as_secs_f64();
     for c in &again {
         let (a, b) = (c.src, c.src + c.len);
-        let mut i = first.partition_point(|f| (f.chunk, f.src + f.len) <= (c.chunk, a));
-        while let Some(f) = first.get(i).filter(|f| f.chunk == c.chunk && f.src < b) {
+        let mut i = landed.partition_point(|f| (f.chunk, f.src + f.len) <= (c.chunk, a));
+        while let Some(f) = landed.get(i).filter(|f| f.chunk == c.chunk && f.src < b) {
             let (x, y) = (a.max(f.src), b.min(f.src + f.len));
             let from = (f.dst, (f.dst_off + x - f.src) as usize);
             copy_between(
