@@ -792,14 +792,9 @@ fn make_units<'a>(
 ) -> Vec<Unit<'a>> {
     let bs = m.block_size;
     let unit_max = MAX_UNIT.next_multiple_of(bs);
+    // By chunk and source: the order `plan_copies` makes them in, so the sort mostly finds it.
     let mut order: Vec<usize> = (0..copies.len()).collect();
-    order.sort_unstable_by_key(|&i| {
-        (
-            m.chunks[copies[i].chunk].file,
-            m.chunks[copies[i].chunk].offset,
-            copies[i].src,
-        )
-    });
+    order.sort_unstable_by_key(|&i| (copies[i].chunk, copies[i].src));
     let mut units: Vec<Unit<'a>> = Vec::new();
     let mut k = 0;
     while k < order.len() {
@@ -868,6 +863,11 @@ fn make_units<'a>(
         }
         k = j;
     }
+    // Read in file order (a disk's sequential reads); units are few next to copies.
+    units.sort_by_key(|u| {
+        let ch = &m.chunks[u.chunk];
+        (ch.file, ch.offset + u.start)
+    });
     units
 }
 
