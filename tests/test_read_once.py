@@ -135,6 +135,40 @@ def _two_slow_loads(path: str) -> tuple[float, float, str]:
     return first[3], second[3], second[4]
 
 
+def _save_blocks(path: str, block_size: int) -> None:
+    mesh = world.mesh((dist.get_world_size(),))
+    olmo_chunks.save({k: distribute_tensor(full(k), mesh, placements("S0")) for k in KEYS}, path,
+                     block_size=block_size)
+
+
+def _measured_exchanges(path: str) -> list[tuple[str, str, int, bool]]:
+    """Two auto loads on a group whose exchange is not measured yet: one sharing no block, then one
+    that does; after each, how it read, why, and how many exchanges this process has measured."""
+    fill._EXCHANGE.clear()
+    mesh = world.mesh((dist.get_world_size(),))
+    out = []
+    for layout in ("S0", "S1"):
+        state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
+        r = olmo_chunks.load(state, path).reading
+        exact = all(torch.equal(state[k].to_local(), distribute_tensor(full(k), mesh, placements(layout)).to_local())
+                    for k in KEYS)
+        out.append((r.read, r.why, len(fill._EXCHANGE), exact))
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1 << 20, 4096], ids=["needs-in-the-store-step", "needs-gathered"])
+def test_the_exchange_is_measured_only_for_a_load_that_shares_a_block(tmp_path, block_size):
+    # A load in the layout it was saved in shares no block: reading once cannot pay, so the
+    # probe's all-to-alls (three of 8 MiB per rank here) are not spent on it. With 4 KiB blocks
+    # the needs are too large for the store step and are gathered before rank 0 says whether to
+    # measure.
+    path = str(tmp_path)
+    world.run(4, _save_blocks, path, block_size)
+    for (first, second) in world.run(4, _measured_exchanges, path):
+        assert first == ("direct", fill.NOT_SHARED, 0, True)
+        assert second[2:] == (1, True) and "GB/s on cpu" in second[1], second
+
+
 def test_the_once_factor_moves_halfway_and_stays_bounded():
     from olmo_chunks import rates
 

@@ -288,7 +288,10 @@ class _ReadOnce:
     One store step decides (`describe` on every rank, `first` on rank 0, `finish` with its item):
     each rank sends what it needs (where that is small), rank 0 plans, predicts and sends each rank
     its plan. Where the needs or plans are too large for the store, or the group's exchange must be
-    measured first, they travel by bounded collectives instead, and a second step decides."""
+    measured first, they travel by bounded collectives instead, and a second step decides. The
+    exchange is measured (once per group) only for a load that shares a block: when none is, reading
+    once cannot pay, whatever the exchange costs (needs too large for the store are gathered first,
+    and one more step then says whether to measure)."""
 
     def __init__(self, load: _CooperativeLoad, group: Group, force: bool, auto: bool, source: str) -> None:
         self.load, self.group, self.force, self.auto, self.source = load, group, force, auto, source
@@ -302,7 +305,13 @@ class _ReadOnce:
         self.needs.append(n)
         return cuda, [d for d in ("cpu", "cuda") if (self.pg, d) in _EXCHANGE], n if len(n) <= self.inline else None
 
+    def shared(self, needs: list[bytes]) -> bool:
+        """Whether reading once may pay: some block is needed by two ranks (or it is forced)."""
+        return self.force or _core.blocks_shared(needs)
+
     def decide(self, gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str]:
+        if not self.shared(gathered):
+            return "direct", None, None, NOT_SHARED
         model, why = None, ""
         measured = _EXCHANGE.get((self.pg, device))
         if self.auto and measured is not None:
@@ -321,22 +330,33 @@ class _ReadOnce:
         group = self.group
         device = _exchange_device(group, any(c for c, _, _ in got), all(c for c, _, _ in got))
         probe = self.auto and group.size > 1 and not all(device in known for _, known, _ in got)
-        if probe or any(n is None for *_, n in got):
-            return [(None, device, probe, None)] * group.size
+        inline = all(n is not None for *_, n in got)
+        if probe and inline and not self.shared([n for *_, n in got if n is not None]):
+            probe = False  # reading once cannot pay: nothing to measure
+        if probe or not inline:
+            # Measure now, or once the gathered needs show a block shared (`finish`).
+            when = ("now" if inline else "if shared") if probe else None
+            return [(None, device, when, None)] * group.size
         decision = self.decide([n for *_, n in got if n is not None], device)
         plans = self.plans
         small = plans is not None and sum(map(len, plans)) <= _INLINE_BYTES
-        return [(decision, device, False, plans[r] if plans is not None and small else None)
+        return [(decision, device, None, plans[r] if plans is not None and small else None)
                 for r in range(group.size)]
 
-    def finish(self, decided: tuple[Any, str, bool, bytes | None]) -> ReadOutcome:
+    def finish(self, decided: tuple[Any, str, str | None, bytes | None]) -> ReadOutcome:
         group = self.group
         decision, device, probe, mine = decided
         if decision is None:
-            if probe:
+            if probe == "now":
                 _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
             gathered = group.gather_bytes(self.needs[0]) if group.size > 1 else self.needs
-            decision = group.exchange(None, lambda _: self.decide(gathered or [], device))[1]
+            if probe == "if shared":
+                decision = group.exchange(None, lambda _: None if self.shared(gathered or []) else
+                                          self.decide(gathered or [], device))[1]
+                if decision is None:
+                    _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
+            if decision is None:
+                decision = group.exchange(None, lambda _: self.decide(gathered or [], device))[1]
         mode, direct_s, once_s, why = decision
         outcome = ReadOutcome(mode, predicted_direct_s=direct_s, predicted_once_s=once_s, why=why)
         if outcome.read == "direct":
@@ -349,6 +369,8 @@ class _ReadOnce:
             rates.learn_once((self.pg, device), time.perf_counter() - t0, once_s)
         return outcome
 
+
+NOT_SHARED = "no saved block is needed by two ranks: each reads its own"
 
 # Needs and plans of up to this many bytes in all travel in the store step that decides a load.
 _INLINE_BYTES = 1 << 20

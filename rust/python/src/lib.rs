@@ -645,6 +645,19 @@ fn plan_read_once(
     })
 }
 
+/// Whether any saved block is needed by more than one rank, from every rank's
+/// `ReadOnce.needs()` (when none is, reading once cannot pay and no exchange need be measured).
+#[pyfunction]
+fn blocks_shared(py: Python<'_>, needs: Vec<Vec<u8>>) -> PyResult<bool> {
+    detach(py, move || {
+        let needs = needs
+            .iter()
+            .map(|b| core::coop::decode_needs(b))
+            .collect::<core::Result<Vec<_>>>()?;
+        Ok(core::coop::shared(&needs))
+    })
+}
+
 /// Caps this process's storage reads at `bytes_per_s` (0 lifts it) for the checkpoints opened
 /// from now on (`core::pace`), for benchmarks modelling slower shared storage; `pace_read(n)`
 /// makes a reader outside the core share the cap.
@@ -1482,6 +1495,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStoreClient>()?;
     m.add_class::<PyHeartbeat>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
+    m.add_function(wrap_pyfunction!(blocks_shared, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(assign_writers, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage, m)?)?;
