@@ -141,30 +141,35 @@ def _save_blocks(path: str, block_size: int) -> None:
                      block_size=block_size)
 
 
-def _measured_exchanges(path: str) -> list[tuple[str, str, int, bool]]:
-    """Two auto loads on a group whose exchange is not measured yet: one sharing no block, then one
-    that does; after each, how it read, why, and how many exchanges this process has measured."""
+def _measured_exchanges(path: str, inline: int) -> list[tuple[str, str, int, bool]]:
+    """Two auto loads on a group whose exchange is not measured yet, with needs of up to `inline`
+    bytes in all in the store step: one sharing no block, then one that does; after each, how it
+    read, why, and how many exchanges this process has measured."""
     fill._EXCHANGE.clear()
     mesh = world.mesh((dist.get_world_size(),))
     out = []
-    for layout in ("S0", "S1"):
-        state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
-        r = olmo_chunks.load(state, path).reading
-        exact = all(torch.equal(state[k].to_local(), distribute_tensor(full(k), mesh, placements(layout)).to_local())
-                    for k in KEYS)
-        out.append((r.read, r.why, len(fill._EXCHANGE), exact))
+    old, fill._INLINE_BYTES = fill._INLINE_BYTES, inline
+    try:
+        for layout in ("S0", "S1"):
+            state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
+            r = olmo_chunks.load(state, path).reading
+            exact = all(torch.equal(state[k].to_local(),
+                                    distribute_tensor(full(k), mesh, placements(layout)).to_local()) for k in KEYS)
+            out.append((r.read, r.why, len(fill._EXCHANGE), exact))
+    finally:
+        fill._INLINE_BYTES = old
     return out
 
 
-@pytest.mark.parametrize("block_size", [1 << 20, 4096], ids=["needs-in-the-store-step", "needs-gathered"])
-def test_the_exchange_is_measured_only_for_a_load_that_shares_a_block(tmp_path, block_size):
+@pytest.mark.parametrize("inline", [fill._INLINE_BYTES, 0], ids=["needs-in-the-store-step", "needs-gathered"])
+def test_the_exchange_is_measured_only_for_a_load_that_shares_a_block(tmp_path, inline):
     # A load in the layout it was saved in shares no block: reading once cannot pay, so the
-    # probe's all-to-alls (three of 8 MiB per rank here) are not spent on it. With 4 KiB blocks
-    # the needs are too large for the store step and are gathered before rank 0 says whether to
-    # measure.
+    # probe's all-to-alls (three of 8 MiB per rank here) are not spent on it. With no room in the
+    # store step (each rank's needs of 4 KiB blocks take more than its 256 bytes there), they are
+    # gathered before rank 0 says whether to measure.
     path = str(tmp_path)
-    world.run(4, _save_blocks, path, block_size)
-    for (first, second) in world.run(4, _measured_exchanges, path):
+    world.run(4, _save_blocks, path, 4096)
+    for (first, second) in world.run(4, _measured_exchanges, path, inline):
         assert first == ("direct", fill.NOT_SHARED, 0, True)
         assert second[2:] == (1, True) and "GB/s on cpu" in second[1], second
 
