@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from olmo_chunks.bench import timed  # the barrier-to-barrier timer olmo-chunks bench uses
+from olmo_chunks.bench import rendezvous_url, timed  # the timer and rendezvous olmo-chunks bench uses
 from olmo_chunks.dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner, read_items_for_chunk_lists
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -58,7 +58,7 @@ def _nbytes(sd: dict) -> int:
 
 def _worker(rank: int, size: int, rendezvous: str, root: str, total_mb: int, reps: int, out: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=size)
     mesh = init_device_mesh("cpu", (size,))
     src = _state(mesh, total_mb, 0, True)
     gb = _nbytes(src) / 1e9
@@ -139,7 +139,7 @@ def main() -> None:
             out = manager.dict()
             mp.spawn(
                 _worker,
-                args=(args.ranks, os.path.join(root, "rdzv"), root, args.mb, args.reps, out),
+                args=(args.ranks, rendezvous_url(), root, args.mb, args.reps, out),
                 nprocs=args.ranks,
             )
             res = dict(out)
