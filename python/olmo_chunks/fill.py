@@ -352,7 +352,7 @@ class _ReadOnce:
             gathered = group.gather_bytes(self.needs[0]) if group.size > 1 else self.needs
             if probe == "if shared":
                 decision = group.exchange(None, lambda _: None if self.shared(gathered or []) else
-                                          self.decide(gathered or [], device))[1]
+                                          ("direct", None, None, NOT_SHARED))[1]
                 if decision is None:
                     _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
             if decision is None:
