@@ -85,6 +85,41 @@ def test_each_saved_byte_is_read_once_per_job(saved, src, dst, m, direct_amplifi
         assert {r[2][0] for r in once} == {"once"}
 
 
+def _broadcasts_of_a_load(path: str, inline: int) -> tuple[int, bool, int]:
+    """(manifest broadcasts on the group's collectives, exact, bytes this rank read) of a direct
+    load whose open step may carry `inline` bytes out of rank 0."""
+    from olmo_chunks import checkpoint
+    from olmo_chunks._dist import Group
+
+    calls = 0
+    original, budget = Group.broadcast_bytes, checkpoint.INLINE_BYTES
+
+    def counted(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(self, *args, **kwargs)
+
+    Group.broadcast_bytes, checkpoint.INLINE_BYTES = counted, inline
+    try:
+        read_bytes, exact, _ = load_as(path, "S0", "direct")
+    finally:
+        Group.broadcast_bytes, checkpoint.INLINE_BYTES = original, budget
+    return calls, exact, read_bytes
+
+
+def test_the_manifest_rides_in_the_open_step_unless_it_would_crowd_the_store(saved):
+    # A manifest that all peers together fetch within the store's budget comes with the open
+    # step's outcome; a larger one (or a larger group) is broadcast after it. Either way rank 0
+    # alone reads it, and every rank loads the same bytes.
+    manifest = len(_core.Manifest.read_bytes(saved["S0"]))
+    for inline, broadcasts in ((3 * manifest, 0), (3 * manifest - 1, 1)):
+        got = world.run(4, _broadcasts_of_a_load, saved["S0"], inline)
+        assert [c for c, _, _ in got] == [broadcasts] * 4, (inline, got)
+        assert all(exact for _, exact, _ in got)
+        assert got[0][2] == CHECKPOINT // 4 + manifest
+        assert [n for _, _, n in got[1:]] == [CHECKPOINT // 4] * 3
+
+
 def load_auto(path: str, layout: str, gbps: str | None):
     """`load_as` with read="auto" and the storage rate `gbps` (None: learned or prior); returns
     (exact, what was chosen, predicted direct and once seconds, why)."""
@@ -148,7 +183,7 @@ def _measured_exchanges(path: str, inline: int) -> list[tuple[str, str, int, boo
     fill._EXCHANGE.clear()
     mesh = world.mesh((dist.get_world_size(),))
     out = []
-    old, fill._INLINE_BYTES = fill._INLINE_BYTES, inline
+    old, fill.INLINE_BYTES = fill.INLINE_BYTES, inline
     try:
         for layout in ("S0", "S1"):
             state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
@@ -157,11 +192,11 @@ def _measured_exchanges(path: str, inline: int) -> list[tuple[str, str, int, boo
                                     distribute_tensor(full(k), mesh, placements(layout)).to_local()) for k in KEYS)
             out.append((r.read, r.why, len(fill._EXCHANGE), exact))
     finally:
-        fill._INLINE_BYTES = old
+        fill.INLINE_BYTES = old
     return out
 
 
-@pytest.mark.parametrize("inline", [fill._INLINE_BYTES, 0], ids=["needs-in-the-store-step", "needs-gathered"])
+@pytest.mark.parametrize("inline", [fill.INLINE_BYTES, 0], ids=["needs-in-the-store-step", "needs-gathered"])
 def test_the_exchange_is_measured_only_for_a_load_that_shares_a_block(tmp_path, inline):
     # A load in the layout it was saved in shares no block: reading once cannot pay, so the
     # probe's all-to-alls (three of 8 MiB per rank here) are not spent on it. With no room in the

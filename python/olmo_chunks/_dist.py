@@ -49,6 +49,9 @@ __all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives"]
 DEFAULT_PEER_TIMEOUT = 45.0
 # Longest a waiting rank blocks in the store before it looks at its peers' heartbeats.
 _POLL = 0.5
+# The most bytes a store step carries into or out of rank 0 (the store's host) in all: what is
+# larger (a load's needs and plans, the manifest, at thousands of ranks) goes by collectives.
+INLINE_BYTES = 1 << 20
 _HB = "olmo_chunks/hb/"
 _STARTED = "olmo_chunks/started"
 # What a group's state says after a peer failed inside one of its collectives.

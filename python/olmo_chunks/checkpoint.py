@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _core, errors, values
-from ._dist import DEFAULT_PEER_TIMEOUT, Group
+from ._dist import DEFAULT_PEER_TIMEOUT, INLINE_BYTES, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
 from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode
 from .location import checkpoint_location
@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 
 def open_manifest(group: Group, path: str | os.PathLike[str],
                   args: Callable[[], Mapping[str, Any]] | None = None) -> _core.Manifest:
-    """The manifest committed at `path` (collective): rank 0 alone reads it from storage and the
-    group's collectives hand its bytes to the others, so metadata reads do not grow with ranks.
+    """The manifest committed at `path` (collective): rank 0 alone reads it from storage and
+    hands its bytes to the others, so metadata reads do not grow with ranks: in the step's own
+    outcome where every peer fetching it from the store moves at most `INLINE_BYTES` out of rank 0
+    (a small group, a small manifest), else by a broadcast on the group's collectives after it.
     An error opening it is raised on every rank, as the same error. `args()` (checks and returns
     the call's arguments that must agree across ranks) runs in the first step and the arguments
     are compared, the path included: a bad or differing one is an error on every rank, never a
@@ -46,13 +48,14 @@ def open_manifest(group: Group, path: str | os.PathLike[str],
     def mine() -> dict[str, Any]:
         return {"path": where, **(args() if args is not None else {})}
 
-    def read(gathered: list[dict[str, Any]]) -> tuple[str, Any, str]:
+    def read(gathered: list[dict[str, Any]]) -> tuple[str, Any, str | bytes]:
         group.check_same(gathered, f"loading {where}")
         try:
             raw.append(_core.Manifest.read_bytes(where))
         except OlmoChunksError as exc:
             return ("error", type(exc).__name__, str(exc))
-        return ("ok", len(raw[0]), "")
+        inline = len(raw[0]) * (group.size - 1) <= INLINE_BYTES
+        return ("ok", len(raw[0]), raw[0] if inline else b"")
 
     _, (status, got, message) = group.exchange(mine, read)
     if status == "error":
@@ -60,8 +63,8 @@ def open_manifest(group: Group, path: str | os.PathLike[str],
         simple = isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
             cls, (MismatchError, RankFailedError))
         raise (cls if simple else OlmoChunksError)(message)
-    data = group.broadcast_bytes(raw[0] if raw else None, got)
-    return _core.Manifest.from_bytes(where, data)
+    data = message if len(message) == got else group.broadcast_bytes(raw[0] if raw else None, got)
+    return _core.Manifest.from_bytes(where, bytes(data))
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core, rates
-from ._dist import Group
+from ._dist import INLINE_BYTES, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
 from .shards import is_dense
 
@@ -296,7 +296,7 @@ class _ReadOnce:
     def __init__(self, load: _CooperativeLoad, group: Group, force: bool, auto: bool, source: str) -> None:
         self.load, self.group, self.force, self.auto, self.source = load, group, force, auto, source
         self.pg = id(group.pg)
-        self.inline = max(256, _INLINE_BYTES // group.size)
+        self.inline = max(256, INLINE_BYTES // group.size)
         self.needs: list[bytes] = []
         self.plans: list[bytes] | None = None
 
@@ -339,7 +339,7 @@ class _ReadOnce:
             return [(None, device, when, None)] * group.size
         decision = self.decide([n for *_, n in got if n is not None], device)
         plans = self.plans
-        small = plans is not None and sum(map(len, plans)) <= _INLINE_BYTES
+        small = plans is not None and sum(map(len, plans)) <= INLINE_BYTES
         return [(decision, device, None, plans[r] if plans is not None and small else None)
                 for r in range(group.size)]
 
@@ -371,9 +371,6 @@ class _ReadOnce:
 
 
 NOT_SHARED = "no saved block is needed by two ranks: each reads its own"
-
-# Needs and plans of up to this many bytes in all travel in the store step that decides a load.
-_INLINE_BYTES = 1 << 20
 
 # Each group's measured exchange, by process group and device (`_measure_exchange`), each
 # all-to-all of the probe timed `PROBE_TRIES` times.
