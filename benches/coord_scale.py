@@ -12,7 +12,8 @@ cluster's network. Per operation the ranks run what `save` and `load` run on the
   load: open (arguments compared, rank 0 reads the manifest), check and decide how to read (each
         rank's needs in, each rank's plan out), close
 
-(the manifest broadcast and the read-once needs/plans move by collectives, not modelled here).
+(payloads are not modelled: a manifest, needs or plans beyond the store step's 1 MiB budget move
+by collectives, a smaller manifest in the open step's outcome).
 A step's time is the time from the moment the last rank finished the previous step to the
 moment the last rank finished this one. Then one rank fails inside a step and the harness times
 how long until every rank has raised.
