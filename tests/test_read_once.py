@@ -3,6 +3,9 @@ core's own byte counters), handed between ranks with collectives, bit-exact, wit
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import olmo_chunks
 import pytest
 import torch
@@ -85,26 +88,37 @@ def test_each_saved_byte_is_read_once_per_job(saved, src, dst, m, direct_amplifi
         assert {r[2][0] for r in once} == {"once"}
 
 
+@contextlib.contextmanager
+def _counting(method: str) -> Iterator[list[int]]:
+    """Counts the calls of `Group.<method>` inside the block (in the one-item list it yields)."""
+    from olmo_chunks._dist import Group
+
+    calls = [0]
+    original = getattr(Group, method)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    setattr(Group, method, counted)
+    try:
+        yield calls
+    finally:
+        setattr(Group, method, original)
+
+
 def _broadcasts_of_a_load(path: str, inline: int) -> tuple[int, bool, int]:
     """(manifest broadcasts on the group's collectives, exact, bytes this rank read) of a direct
     load whose open step may carry `inline` bytes out of rank 0."""
     from olmo_chunks import checkpoint
-    from olmo_chunks._dist import Group
 
-    calls = 0
-    original, budget = Group.broadcast_bytes, checkpoint.INLINE_BYTES
-
-    def counted(self, *args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return original(self, *args, **kwargs)
-
-    Group.broadcast_bytes, checkpoint.INLINE_BYTES = counted, inline
+    budget, checkpoint.INLINE_BYTES = checkpoint.INLINE_BYTES, inline
     try:
-        read_bytes, exact, _ = load_as(path, "S0", "direct")
+        with _counting("broadcast_bytes") as calls:
+            read_bytes, exact, _ = load_as(path, "S0", "direct")
     finally:
-        Group.broadcast_bytes, checkpoint.INLINE_BYTES = original, budget
-    return calls, exact, read_bytes
+        checkpoint.INLINE_BYTES = budget
+    return calls[0], exact, read_bytes
 
 
 def test_the_manifest_rides_in_the_open_step_unless_it_would_crowd_the_store(saved):
@@ -313,22 +327,9 @@ def test_rounds_stay_within_the_staging_budget(saved):
 def _agreements_of_a_load(path: str, budget: int, read: str = "once", layout: str = "R") -> tuple[int, int, bool, int]:
     """(rounds, store agreements the load made, exact, bytes held at once) of a load (read once,
     into `Replicate()`, unless told)."""
-    from olmo_chunks._dist import Group
-
-    calls = 0
-    original = Group.exchange
-
-    def counted(self, *args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return original(self, *args, **kwargs)
-
-    Group.exchange = counted
-    try:
+    with _counting("exchange") as calls:
         _, exact, (_, rounds, peak) = load_as(path, layout, read, budget)
-    finally:
-        Group.exchange = original
-    return rounds, calls, exact, peak
+    return rounds, calls[0], exact, peak
 
 
 def _agreements_by_read_mode(path: str) -> dict[str, int]:
