@@ -520,6 +520,57 @@ def test_a_dead_rank_never_hangs_the_dcp_door(tmp_path, step, victim):
     assert holds(path, 1, 4)
 
 
+def _load_own_part(rank: int, path: str, victim: int) -> dict[str, str]:
+    """Rank r loads tensor `t{r}` alone (directly or read once, as the default chooses), by each
+    door; then every rank loads a tensor nobody corrupted. What each raised, and in how long."""
+    import torch.distributed.checkpoint as dcp
+    from olmo_chunks import dcp as door
+
+    out = {}
+    for name, load in [
+        ("native", lambda sd: olmo_chunks.load(sd, path, partial=True, peer_timeout=60)),
+        ("dcp", lambda sd: dcp.load(sd, storage_reader=door.ChunkStoreReader(path, peer_timeout=60))),
+    ]:
+        t0 = time.monotonic()
+        try:
+            load({f"t{rank}": torch.zeros(1 << 18)})
+            out[name] = "ok"
+        except BaseException as exc:  # torch's CheckpointException is one
+            out[name] = f"{type(exc).__name__}: {exc}"
+        out[f"{name} s"] = f"{time.monotonic() - t0:.1f}"
+    healthy = {f"t{(victim + 1) % 3}": torch.zeros(1 << 18)}
+    olmo_chunks.load(healthy, path, partial=True)
+    out["healthy"] = str(torch.equal(next(iter(healthy.values())), torch.full((1 << 18,), float((victim + 1) % 3))))
+    return out
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_failed_read_on_one_rank_fails_every_rank_at_once(tmp_path, victim):
+    """A rank whose reads fail (a corrupted block only it reads) between steps: the others do not
+    return a load that did not happen, nor wait for it until a timeout (the DCP door hung)."""
+    path = str(tmp_path / "ckpt")
+    olmo_chunks.save({f"t{r}": torch.full((1 << 18,), float(r)) for r in range(3)}, path)
+    m = _core.Manifest.open(path)
+    key = f"t{victim}"
+    (c,) = m.chunks([t.key for t in m.tensors].index(key))
+    data = Path(path) / m.files[c.file].path
+    raw = bytearray(data.read_bytes())
+    raw[c.offset + 12345] ^= 0x40
+    data.write_bytes(bytes(raw))
+    results = run_raw(3, _load_own_part, path, victim, timeout=120)
+    for r, res in enumerate(results):
+        assert res is not None and res[0] == "ok", (r, res)
+        got = res[1]
+        assert got["healthy"] == "True", (r, got)
+        if r == victim:
+            assert got["native"].startswith("ChecksumError") and f'tensor "{key}"' in got["native"], got
+        else:
+            assert got["native"].startswith(f"RankFailedError: rank {victim} failed: ChecksumError"), (r, got)
+        # torch DCP gathers every rank's error after the read step and raises them all everywhere.
+        assert got["dcp"].startswith("CheckpointException") and "ChecksumError" in got["dcp"], (r, got)
+        assert float(got["native s"]) < 10 and float(got["dcp s"]) < 10, (r, got)  # not a 60 s timeout
+
+
 def test_coordination_messages_are_data_not_code():
     import pickle
 

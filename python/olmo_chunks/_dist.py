@@ -14,7 +14,8 @@ a process group. A rank that has never beaten is "not arrived yet" and is waited
 arrival timeout (the process group's timeout, as a collective would); one that beat and went silent
 for `peer_timeout` seconds is dead. Either way every survivor raises `RankFailedError` naming it. A
 rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the root, which
-tells everyone. The root hosts the store: it leaves an operation only once every peer has read the
+tells everyone; work that fails between steps (a load's reads) fails the next step, which the
+others wait in or come to (`Group.__exit__`). The root hosts the store: it leaves an operation only once every peer has read the
 last outcome (`Group.close`), so a script that exits right after a save never turns a committed save
 into an error on the others.
 
@@ -299,6 +300,7 @@ class Group:
         self.seq = 0
         self.closed = False
         self.scattered = False
+        self.told = False  # whether the others know of a failure of this rank
         self.dead: set[int] = set()  # ranks found dead
         if self.size == 1:
             return
@@ -321,14 +323,16 @@ class Group:
         g = cls.__new__(cls)
         g.pg, g.active, g.rank, g.size = None, False, rank, size
         g.peer_timeout, g.arrival_timeout = peer_timeout, arrival_timeout
-        g.seq, g.closed, g.scattered, g.dead = 0, False, False, set()
+        g.seq, g.closed, g.scattered, g.told, g.dead = 0, False, False, False, set()
         g.store, g.prefix, g.global_ranks = store, prefix, list(range(size))
         return g
 
     def __enter__(self) -> Group:
         return self
 
-    def __exit__(self, kind: object, *exc: object) -> None:
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not self.told and not isinstance(exc, RankFailedError):
+            self._tell(exc)
         self.close(failing=kind is not None)
 
     # -- the one primitive ---------------------------------------------------------------------
@@ -357,10 +361,18 @@ class Group:
         except BaseException as exc:
             failure = exc
         try:
+            out = self._step(key, mine, failure, root, scatter)
+        except BaseException:
+            self.told = True  # this step told the others, or they failed first
+            raise
+        return mine, out
+
+    def _step(self, key: str, mine: Any, failure: BaseException | None,
+              root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
+        try:
             if self.rank == 0:
-                out = self._root_side(key, mine, failure, root, scatter)
-            else:
-                out = self._peer_side(key, mine if root else None, failure, scatter)
+                return self._root_side(key, mine, failure, root, scatter)
+            return self._peer_side(key, mine if root else None, failure, scatter)
         except RankFailedError as exc:
             self._note_dead(exc)
             raise
@@ -373,7 +385,6 @@ class Group:
             if isinstance(exc, Exception) and not isinstance(exc, OlmoChunksError):
                 raise RankFailedError(f"lost contact with the other ranks: {_describe(exc)}") from exc
             raise
-        return mine, out
 
     def agree(self, fn: Callable[[], T]) -> T:
         """Runs `fn` on every rank and returns its result once every rank has succeeded."""
@@ -422,7 +433,8 @@ class Group:
         self.store.set_many(keys, [pickle.dumps(x) for x in out[1:]] + [pickle.dumps(("ok", None))])
         return out[0]
 
-    def _peer_side(self, key: str, mine: Any, failure: BaseException | None, scatter: bool) -> Any:
+    def _send(self, key: str, mine: Any, failure: BaseException | None) -> None:
+        """A peer's message for step `key`: its result, or its failure (which wakes the root)."""
         sent = (self.rank, "fail", _describe(failure)) if failure is not None else (self.rank, "ok", mine)
         frame = pickle.dumps(sent)
         store = self.store
@@ -432,6 +444,10 @@ class Group:
             store.set_many([f"{key}/full", f"{key}/all"], [b"", b""])
         elif failure is not None:
             store.set(f"{key}/all", b"")  # wake the root now
+
+    def _peer_side(self, key: str, mine: Any, failure: BaseException | None, scatter: bool) -> Any:
+        store = self.store
+        self._send(key, mine, failure)
         if failure is not None:
             raise failure
         out_key = f"{key}/out"
@@ -492,10 +508,23 @@ class Group:
         cls = "InvalidArgumentError" if isinstance(exc, InvalidArgumentError) and self.rank == 0 else ""
         msg = str(exc) if rank is not None or cls else f"rank {self.rank} failed: {_describe(exc)}"
         who = self.rank if rank is None else rank
+        self.told = True
         with contextlib.suppress(Exception):
             if self.rank == 0:
                 self._publish(key, ("fail", (msg, who, dead, cls)))
             self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, who, dead)))
+
+    def _tell(self, exc: BaseException) -> None:
+        """This rank leaves the operation on `exc`, raised between steps (its reads failed): the
+        others fail in the step they wait in or come to next, at once, instead of finishing without
+        it or waiting for it until the process group times out. Best effort."""
+        if self.size == 1 or self.closed or self.dead & {0, -1}:
+            return
+        key = f"{self.prefix}/{self.seq + 1}"
+        if self.rank != 0:
+            with contextlib.suppress(Exception):
+                self._send(key, None, exc)
+        self._abort(key, exc)
 
     def _store_lost(self, exc: BaseException) -> RankFailedError:
         """The error for a store that stopped answering: its host, global rank 0, died or hung."""

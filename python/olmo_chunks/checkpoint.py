@@ -396,14 +396,19 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
     else:
         decided = group.agree(check_and_describe)
     report, fills, leaves, entries = checked[0]
-    report.reading = steps[0].run(decided)
+    report.reading = steps[0].run(decided)  # a failure here fails the others in the next step
     nbytes = sum(f.dest.numel() * f.dest.element_size() for f in fills)
-    for key, leaf in leaves.items():
-        if not leaf.is_tensor and key in entries:
-            if isinstance(leaf.container, tuple):
-                continue
-            leaf.container[leaf.slot] = values.decode(entries[key], key)
-            report.loaded.append(key)
+
+    def plain_values() -> None:
+        for key, leaf in leaves.items():
+            if not leaf.is_tensor and key in entries:
+                if isinstance(leaf.container, tuple):
+                    continue
+                leaf.container[leaf.slot] = values.decode(entries[key], key)
+                report.loaded.append(key)
+
+    # The last step: every rank returns only once every rank has read all it needed.
+    group.agree(plain_values)
     report.loaded.sort()
     if group.rank == 0:
         _log_summary("loaded", nbytes, "from", path, t0, f"rank 0 of {group.size}")
