@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +50,19 @@ def dtensor_pieces(dt: DTensor) -> list[Piece]:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return []
-    return spec_pieces(tuple(dt.shape), tuple(mesh.shape), coordinate, tuple(dt.placements),
-                       getattr(dt._spec, "shard_order", None))
+    spec = (tuple(dt.shape), tuple(mesh.shape), tuple(coordinate), tuple(dt.placements),
+            getattr(dt._spec, "shard_order", None))
+    try:
+        return list(_spec_pieces_cached(*spec))
+    except TypeError:  # a placement or shard order that cannot be hashed
+        return spec_pieces(*spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_pieces_cached(*spec: object) -> tuple[Piece, ...]:
+    """`spec_pieces`, once per distinct spec: a model's layers repeat a few shapes and layouts, and
+    computing the pieces was most of a load's cost per key (a 1,000-key load, benches/README)."""
+    return tuple(spec_pieces(*spec))  # type: ignore[arg-type]
 
 
 def spec_pieces(
