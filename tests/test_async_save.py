@@ -6,9 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import olmo_chunks as oc
+import pytest
 import torch
 import torch.distributed as dist
 from olmo_chunks import ExpertLayout, TrainerState
@@ -60,7 +62,10 @@ def test_the_checkpoint_holds_the_values_at_the_call(tmp_path):
     assert world.run(4, _save_then_scribble, str(tmp_path / "c")) == [True] * 4
 
 
-def _failing_async_save(path: str, bad: int) -> str:
+def _failing_async_save(path: str, bad: int, n: int) -> str:
+    """An async_save of `n` floats per tensor with a 4 KiB pool whose writes fail on rank `bad`:
+    in the background (`n` fits the pool) or while the call stages (it does not: the tensor is
+    written from itself at once, before the call returns)."""
     from olmo_chunks.session import SaveSession
 
     rank = dist.get_rank()
@@ -71,29 +76,38 @@ def _failing_async_save(path: str, bad: int) -> str:
             raise OSError(28, "No space left on device (simulated)")
 
         SaveSession.write_file = failing
+    t0 = time.monotonic()
     try:
-        fut = oc.async_save({"w": torch.full((8,), 2.0), f"r{rank}": torch.full((8,), 2.0)}, path,
-                            overwrite=True, pool_bytes=1 << 20)
-        err = fut.exception(timeout=60)
+        try:
+            fut = oc.async_save({"w": torch.full((n,), 2.0), f"r{rank}": torch.full((n,), 2.0)}, path,
+                                overwrite=True, pool_bytes=4096)
+        except OSError as exc:
+            err, where = exc, "call"
+        else:
+            err, where = fut.exception(timeout=60), "result"
     finally:
         if rank == bad:
             SaveSession.write_file = real
-    sd = {k: torch.zeros(8) for k in ("w", "r0", "r1")}
+    waited = time.monotonic() - t0
+    sd = {k: torch.zeros(n) for k in ("w", "r0", "r1")}
     oc.load(sd, path)
-    return f"{type(err).__name__}|{isinstance(err, oc.OlmoChunksError)}|{sd['w'][0].item()}|{sd['r1'][0].item()}"
+    return (f"{type(err).__name__}|{where}|{isinstance(err, oc.OlmoChunksError)}|{sd['w'][0].item()}|"
+            f"{sd['r1'][0].item()}|{waited < 10}")
 
 
-def _first(path: str) -> None:
-    oc.save({"w": torch.full((8,), 1.0), f"r{dist.get_rank()}": torch.full((8,), 1.0)}, path)
+def _first(path: str, n: int) -> None:
+    oc.save({"w": torch.full((n,), 1.0), f"r{dist.get_rank()}": torch.full((n,), 1.0)}, path)
 
 
-def test_a_failing_async_save_raises_from_result_on_every_rank_and_keeps_the_old_checkpoint(tmp_path):
+@pytest.mark.parametrize(("n", "where"), [(8, "result"), (4096, "call")])
+def test_a_failing_async_save_raises_on_every_rank_at_once_and_keeps_the_old_checkpoint(tmp_path, n, where):
     path = str(tmp_path / "c")
-    world.run(2, _first, path)
-    out = world.run(2, _failing_async_save, path, 1)
-    # The failing rank sees its own error; the other one, who failed; the old checkpoint stays.
-    assert out[1].split("|")[1:] == ["True", "1.0", "1.0"], out
-    assert out[0] == "RankFailedError|True|1.0|1.0", out
+    world.run(2, _first, path, n)
+    out = world.run(2, _failing_async_save, path, 1, n)
+    # The failing rank sees its own error; the other one, who failed, at once (a failure while
+    # the call staged once left it waiting for ever); the old checkpoint stays.
+    assert out[1].split("|")[1:] == [where, str(where == "result"), "1.0", "1.0", "True"], out
+    assert out[0] == "RankFailedError|result|True|1.0|1.0|True", out
 
 
 def _back_to_back(root: str) -> list[float]:

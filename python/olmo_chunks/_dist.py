@@ -15,7 +15,7 @@ arrival timeout (the process group's timeout, as a collective would); one that b
 for `peer_timeout` seconds is dead. Either way every survivor raises `RankFailedError` naming it. A
 rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the root, which
 tells everyone; work that fails between steps (a load's reads) fails the next step, which the
-others wait in or come to (`Group.__exit__`). The root hosts the store: it leaves an operation only once every peer has read the
+others wait in or come to (`Group.fail`). The root hosts the store: it leaves an operation only once every peer has read the
 last outcome (`Group.close`), so a script that exits right after a save never turns a committed save
 into an error on the others.
 
@@ -331,9 +331,17 @@ class Group:
         return self
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None and not self.told and not isinstance(exc, RankFailedError):
+        if exc is None:
+            self.close()
+        else:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Leaves the operation on `exc`: the others fail too, at once, if no step has told them
+        yet (`_tell`), then `close`."""
+        if not self.told and not isinstance(exc, RankFailedError):
             self._tell(exc)
-        self.close(failing=kind is not None)
+        self.close(failing=True)
 
     # -- the one primitive ---------------------------------------------------------------------
 

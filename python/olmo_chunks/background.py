@@ -93,9 +93,9 @@ def async_save(
     try:
         chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
         batch = _stage(steps, chunks, slot, pool_bytes)
-    except BaseException:
+    except BaseException as exc:
         steps.__exit__(None, None, None)
-        steps.group.close(failing=True)
+        steps.group.fail(exc)
         raise
     future: Future[None] = Future()
     future.set_running_or_notify_cancel()
