@@ -15,9 +15,9 @@ arrival timeout (the process group's timeout, as a collective would); one that b
 for `peer_timeout` seconds is dead. Either way every survivor raises `RankFailedError` naming it. A
 rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the root, which
 tells everyone; work that fails between steps (a load's reads) fails the next step, which the
-others wait in or come to (`Group.fail`). The root hosts the store: it leaves an operation only once every peer has read the
-last outcome (`Group.close`), so a script that exits right after a save never turns a committed save
-into an error on the others.
+others wait in or come to (`Group.fail`). The root hosts the store: it leaves an operation only
+once every peer has read the last outcome (`Group.close`), so a script that exits right after a
+save never turns a committed save into an error on the others.
 
 Cost per step at N ranks: each peer 3 store calls (append, add, wait+get), the root O(1) calls
 moving O(N) bytes; see benches/coord_scale.py.
