@@ -76,10 +76,11 @@ def _worker(rank: int, size: int, url: str, root: str, counts: list[int], total_
         dcp.save(src, storage_writer=dcp.FileSystemWriter(theirs))
         dst = _state(mesh, keys, total_mb, False)
         times: dict[str, list[float]] = {"ours": [], "dcp": [], "raw": []}
+        runs = {"ours": lambda dst=dst, path=ours: olmo_chunks.load(dst, path),
+                "dcp": lambda dst=dst, path=theirs: dcp.load(dst, storage_reader=dcp.FileSystemReader(path)),
+                "raw": lambda path=ours: _raw_read(path, rank, size)}
         for _ in range(reps):  # interleaved, so drifting machine load hits them alike
-            for name, run in (("ours", lambda: olmo_chunks.load(dst, ours)),
-                              ("dcp", lambda: dcp.load(dst, storage_reader=dcp.FileSystemReader(theirs))),
-                              ("raw", lambda: _raw_read(ours, rank, size))):
+            for name, run in runs.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 run()
@@ -119,7 +120,8 @@ def main() -> None:
         per_key = "" if keys == counts[0] else "  ".join(
             f"{(r[n][0] - base[n][0]) / (keys - counts[0]) * 1e6:.0f}" for n in ("ours", "dcp"))
         cells = [f"{r[n][0] * 1e3:6.1f} / {r[n][1] * 1e3:5.1f}" for n in ("ours", "dcp", "raw")]
-        print(f"{keys:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {r['dcp'][0] / r['ours'][0]:>8.1f}x {per_key:>24}")
+        ratio = r["dcp"][0] / r["ours"][0]
+        print(f"{keys:>6} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {ratio:>8.1f}x {per_key:>24}")
 
 
 if __name__ == "__main__":
