@@ -10,7 +10,8 @@ cluster's network. Per operation the ranks run what `save` and `load` run on the
   save: plan (every rank describes its state, rank 0 plans and scatters assignments), lease, commit,
         close (the acknowledged last step)
   load: open (arguments compared, rank 0 reads the manifest), check and decide how to read (each
-        rank's needs in, each rank's plan out), close
+        rank's needs in, each rank's plan out), the last step (every rank has read all it needs),
+        close
 
 (payloads are not modelled: a manifest, needs or plans beyond the store step's 1 MiB budget move
 by collectives, a smaller manifest in the open step's outcome).
@@ -136,6 +137,8 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
             g.exchange(lambda needs=needs: (False, ["cpu"], needs),
                        lambda got, needs=needs: [(("once", 0.1, 0.09, ""), "cpu", False, needs)] * size,
                        scatter=True)
+            times.append(time.time())
+            g.agree(lambda: None)  # the last step: no rank returns before every rank has read
             times.append(time.time())
         g.close()
         times.append(time.time())
