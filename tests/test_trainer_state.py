@@ -126,6 +126,22 @@ def test_same_layout_restores_every_rank_exactly(tmp_path):
     assert len({str(o[1]) for o in out}) == 4  # each rank had its own stream
 
 
+def _state_dict_on_one_rank_then_save_and_load(path):
+    if dist.get_rank() == 0:
+        sample_state().state_dict()  # e.g. to log it: not collective
+    oc.save({"w": torch.arange(4.0), **sample_state().state_dict()}, path, peer_timeout=5)
+    w = torch.zeros(4)
+    oc.load({"w": w}, path, partial=True, peer_timeout=5)
+    return w.tolist(), load_trainer_state(path).state == sample_state()
+
+
+def test_trainer_state_dict_on_some_ranks_only_leaves_later_saves_alone(tmp_path):
+    """`state_dict` is not collective: it once made a coordination group, so calling it on rank 0
+    alone shifted rank 0's keys for every later save and load, which then hung."""
+    out = world.run(2, _state_dict_on_one_rank_then_save_and_load, str(tmp_path / "ck"), timeout=60)
+    assert out == [([0.0, 1.0, 2.0, 3.0], True)] * 2
+
+
 def test_changed_world_restores_counters_and_reseeds(tmp_path):
     path = str(tmp_path / "ck")
     world.run(4, _save_on_world, path, {"dp": 4})

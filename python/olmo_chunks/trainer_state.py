@@ -76,14 +76,17 @@ class TrainerState:
         """`{"trainer": ...}` to merge into the state dict passed to `save`, with this rank's RNG
         states captured now. `layout` (e.g. `{"dp": 4, "ep_mp": 2, "ep_dp": 2, "pp": 1}`) is
         compared on load to decide whether RNG states are restored."""
-        group = Group(process_group)
+        # No `Group`: this call is not collective, and a group made on some ranks only would
+        # shift the keys of every later save and load there (a hang).
+        on = dist.is_available() and dist.is_initialized()
+        rank, size = (dist.get_rank(process_group), dist.get_world_size(process_group)) if on else (0, 1)
         out: dict[str, Any] = {}
         for name in _FIELDS:
             value = getattr(self, name)
             values.encode(value, f"{PREFIX}.{name}")  # refuse what cannot be stored, naming it
             out[name] = value
-        out["layout"] = _layout(group, layout)
-        out["rng"] = {_rank_key(group.rank): capture_rng()}
+        out["layout"] = _layout(size, layout)
+        out["rng"] = {_rank_key(rank): capture_rng()}
         return {PREFIX: out}
 
 
@@ -101,12 +104,12 @@ def _rank_key(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def _layout(group: Group, layout: Mapping[str, Any] | None) -> dict[str, Any]:
-    out = {"world_size": group.size}
+def _layout(size: int, layout: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = {"world_size": size}
     if layout:
-        if "world_size" in layout and layout["world_size"] != group.size:
+        if "world_size" in layout and layout["world_size"] != size:
             raise InvalidArgumentError(
-                f"layout says world_size={layout['world_size']}, the group has {group.size}")
+                f"layout says world_size={layout['world_size']}, the group has {size}")
         out.update(layout)
     values.encode(out, f"{PREFIX}.layout")
     return out
@@ -161,7 +164,7 @@ def load_trainer_state(
     data position, config and data manifest always; RNG states exactly when the layout matches,
     else reseeded per rank (see the module docstring)."""
     with Group(process_group) as group:
-        here = _layout(group, layout)
+        here = _layout(group.size, layout)
 
         def read() -> tuple[TrainerState, dict[str, Any], dict[str, Any] | None]:
             manifest = _core.Manifest.open(checkpoint_location(path))
