@@ -303,7 +303,8 @@ def load(
     `OLMO_CHUNKS_STAGING_BYTES` per rank); `read="direct"` has every rank read what it needs
     itself; `read="auto"` (the default) predicts both from measured storage and exchange rates
     (`olmo_chunks.rates`) and takes the faster (`LoadReport.reading` says which and why). The
-    manifest is read by rank 0 and broadcast. Plain values are replaced. A model conversion
+    manifest is read by rank 0 alone and handed to the others (`open_manifest`). Plain values are
+    replaced. A model conversion
     (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError` listing
     every mismatch; with `strict=False` what matches is loaded and the rest reported in the
     returned `LoadReport`. Saved trainer state (`trainer.*`, restored by `load_trainer_state`) is
@@ -312,7 +313,7 @@ def load(
     `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,
     the trainer state alone): checkpoint keys it lacks are not unexpected, while every key it has
     is still checked as above. A failure on any rank, or a rank silent for `peer_timeout`
-    seconds, raises on every rank.
+    seconds, raises on every rank; no rank returns before every rank has read all it needed.
     """
     t0 = time.perf_counter()
     with Group(process_group, peer_timeout) as group:
