@@ -187,8 +187,8 @@ def _direct(dest: torch.Tensor, saved_dtype: torch.dtype) -> bool:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Bytes `[start, end)` that `t`'s elements can touch."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
+    if t.numel() == 0 or t.is_contiguous():
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 

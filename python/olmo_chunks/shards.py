@@ -111,6 +111,8 @@ def _plain(key: str, t: torch.Tensor) -> torch.Tensor:
 
 def is_dense(t: torch.Tensor) -> bool:
     """True if no two elements of `t` share memory (so bytes can be written straight into it)."""
+    if t.is_contiguous():
+        return True
     extent = 1
     for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda x: x[1]):
         if size == 1:
