@@ -480,6 +480,19 @@ def test_tied_weights_load_through_the_native_door(tmp_path):
         olmo_chunks.load(model().state_dict(), tmp_path / "d")
 
 
+def test_parameters_that_require_grad_load_in_place_and_staged(tmp_path):
+    """Parameters passed as they are (not a detached state_dict): filled in place, or through a
+    staging buffer where two keys' elements interleave in one storage (a torch RuntimeError about
+    an in-place operation on a leaf view before)."""
+    olmo_chunks.save({"a": torch.arange(8.0), "b": torch.arange(8.0) + 10, "p": torch.arange(4.0)}, tmp_path / "c")
+    buf, p = torch.nn.Parameter(torch.zeros(8, 2)), torch.nn.Parameter(torch.zeros(4))
+    version = buf._version
+    olmo_chunks.load({"a": buf[:, 0], "b": buf[:, 1], "p": p}, tmp_path / "c")
+    assert torch.equal(buf.detach(), torch.stack([torch.arange(8.0), torch.arange(8.0) + 10], dim=1))
+    assert torch.equal(p.detach(), torch.arange(4.0)) and p.requires_grad and buf.requires_grad
+    assert buf._version > version  # autograd sees the staged copies
+
+
 def test_loading_into_an_expanded_destination_is_refused(tmp_path):
     olmo_chunks.save({"w": torch.arange(6.0).reshape(2, 3)}, tmp_path / "c")
     sd = {"w": torch.zeros(3).expand(2, 3)}

@@ -155,7 +155,9 @@ def check_read_mode(read: str) -> str:
 
 def _copy_into_place(batch: list[Fill], stages: list[torch.Tensor]) -> None:
     for f, stage in zip(batch, stages, strict=True):
-        f.dest.copy_(stage, non_blocking=stage.is_pinned())
+        # Detached: a parameter (or a view of one) that requires grad takes the bytes as the core's
+        # in-place reads do, and its version counter still moves.
+        f.dest.detach().copy_(stage, non_blocking=stage.is_pinned())
     if any(f.dest.is_cuda for f in batch):
         torch.cuda.synchronize()
 
