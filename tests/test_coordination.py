@@ -105,13 +105,15 @@ def _mismatched(rank: int, path: str, what: str) -> float:
         olmo_chunks.load(sd, path, peer_timeout=PEER_TIMEOUT, read="direct" if rank == 1 else "once")
     elif what == "path":
         olmo_chunks.load(_zeros(rank, 2), path if rank == 0 else path + "-other", peer_timeout=PEER_TIMEOUT)
+    elif what == "verify":
+        olmo_chunks.load(_zeros(rank, 2), path, peer_timeout=PEER_TIMEOUT, verify=rank == 0)
     else:
         olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT,
                          compression="zstd" if rank == 1 else None)
     return time.time() - t0
 
 
-@pytest.mark.parametrize("what", ["read", "path", "compression"])
+@pytest.mark.parametrize("what", ["read", "path", "verify", "compression"])
 def test_ranks_passing_different_arguments_all_get_invalid_argument(tmp_path, what):
     path = str(tmp_path / "ckpt")
     assert all(r[0] == "ok" for r in run_raw(2, _first, path))

@@ -380,7 +380,9 @@ def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: s
 
 def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool, partial: bool,
           roles: Mapping[str, str] | None, verify: bool, workers: int | None, read: str, t0: float) -> LoadReport:
-    manifest = open_manifest(group, path, lambda: {"read": check_read_mode(read), "staging_bytes": STAGING_BYTES})
+    # `verify` too: read once, a rank that does not verify would hand unchecked bytes to one that does.
+    manifest = open_manifest(group, path, lambda: {"read": check_read_mode(read), "staging_bytes": STAGING_BYTES,
+                                                   "verify": bool(verify)})
 
     # One step agrees on what to load and decides how to read it (`FillStep`).
     checked: list[_Checked] = []
