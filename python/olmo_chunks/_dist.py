@@ -44,7 +44,7 @@ from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives"]
+__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "rank_and_size"]
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
@@ -282,6 +282,15 @@ class _Watch:
 # -- the group ----------------------------------------------------------------------------------
 
 
+def rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in `process_group` and the group's size; (0, 1) without
+    torch.distributed. Makes no `Group`, so it may be called on some ranks only."""
+    active = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not active:
+        raise InvalidArgumentError("a process_group was given but torch.distributed is not initialised")
+    return (dist.get_rank(process_group), dist.get_world_size(process_group)) if active else (0, 1)
+
+
 class Group:
     """The ranks of one collective save or load (a lone process when torch.distributed is not
     initialised). Ranks call `exchange` the same number of times, in the same order, and `close`
@@ -291,11 +300,8 @@ class Group:
         if not peer_timeout > 0:
             raise InvalidArgumentError(f"peer_timeout must be positive, got {peer_timeout}")
         self.pg = process_group
+        self.rank, self.size = rank_and_size(process_group)
         self.active = dist.is_available() and dist.is_initialized()
-        if process_group is not None and not self.active:
-            raise InvalidArgumentError("a process_group was given but torch.distributed is not initialised")
-        self.rank = dist.get_rank(process_group) if self.active else 0
-        self.size = dist.get_world_size(process_group) if self.active else 1
         self.peer_timeout = peer_timeout
         self.seq = 0
         self.closed = False

@@ -304,10 +304,9 @@ def load(
     itself; `read="auto"` (the default) predicts both from measured storage and exchange rates
     (`olmo_chunks.rates`) and takes the faster (`LoadReport.reading` says which and why). The
     manifest is read by rank 0 alone and handed to the others (`open_manifest`). Plain values are
-    replaced. A model conversion
-    (missing or extra keys, a shape, dtype or role mismatch) raises one `MismatchError` listing
-    every mismatch; with `strict=False` what matches is loaded and the rest reported in the
-    returned `LoadReport`. Saved trainer state (`trainer.*`, restored by `load_trainer_state`) is
+    replaced. A model conversion (missing or extra keys, a shape, dtype or role mismatch) raises
+    one `MismatchError` listing every mismatch; with `strict=False` what matches is loaded and the
+    rest reported in the returned `LoadReport`. Saved trainer state (`trainer.*`, restored by `load_trainer_state`) is
     checked only when `state_dict` holds trainer state too.
 
     `partial=True` lets `state_dict` hold a subset of the checkpoint (a pipeline stage's layers,

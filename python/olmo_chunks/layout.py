@@ -53,9 +53,10 @@ def dtensor_pieces(dt: DTensor) -> list[Piece]:
     spec = (tuple(dt.shape), tuple(mesh.shape), tuple(coordinate), tuple(dt.placements),
             getattr(dt._spec, "shard_order", None))
     try:
-        return list(_spec_pieces_cached(*spec))
-    except TypeError:  # a placement or shard order that cannot be hashed
+        hash(spec)
+    except TypeError:  # a placement or shard order that cannot be hashed: computed each time
         return spec_pieces(*spec)
+    return list(_spec_pieces_cached(*spec))
 
 
 @functools.lru_cache(maxsize=4096)

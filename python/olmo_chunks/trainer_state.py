@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core, values
-from ._dist import Group
+from ._dist import Group, rank_and_size
 from .checkpoint import load
 from .errors import InvalidArgumentError, MismatchError
 from .location import checkpoint_location
@@ -78,8 +78,7 @@ class TrainerState:
         compared on load to decide whether RNG states are restored."""
         # No `Group`: this call is not collective, and a group made on some ranks only would
         # shift the keys of every later save and load there (a hang).
-        on = dist.is_available() and dist.is_initialized()
-        rank, size = (dist.get_rank(process_group), dist.get_world_size(process_group)) if on else (0, 1)
+        rank, size = rank_and_size(process_group)
         out: dict[str, Any] = {}
         for name in _FIELDS:
             value = getattr(self, name)
