@@ -215,3 +215,38 @@ def test_writer_refuses_block_sizes_above_the_cap(tmp_path: Path):
         olmo_chunks.save(state(), tmp_path / "big", block_size=MAX_BLOCK_SIZE + 1)
     olmo_chunks.save(state(), tmp_path / "ok", block_size=MAX_BLOCK_SIZE)
     assert verify(tmp_path / "ok") > 0
+
+
+_FOREIGN_SIGBUS = """
+import faulthandler, mmap, os, sys, tempfile
+import olmo_chunks, torch
+from olmo_chunks import _core
+
+faulthandler.enable()
+d = tempfile.mkdtemp()
+full = torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)
+olmo_chunks.save({"w": full}, d + "/ck")
+m = _core.Manifest.open(d + "/ck")
+out = torch.zeros(256, 16)
+# A column of the tensor, unchecked: its pieces are copied out of a mapping (the guard installed).
+m.load([_core.Target(0, [_core.Piece([0, 16], [256, 16], 0, [16, 1])], 0)],
+       [(out.data_ptr(), out.numel() * 4)], verify=False)
+assert torch.equal(out, full[:, 16:32]), "wrong bytes"
+print("loaded", flush=True)
+with open(d + "/other", "wb") as f:
+    f.write(b"x" * 65536)
+with open(d + "/other", "r+b") as f:
+    view = mmap.mmap(f.fileno(), 65536)
+    f.truncate(10)
+    view[40000]  # SIGBUS in a mapping that is not ours
+print("survived", flush=True)
+"""
+
+
+def test_a_bus_error_outside_the_guarded_mappings_still_reaches_the_handler_before_ours():
+    # Mapped reads install a SIGBUS handler for their own mappings; any other bus error must go
+    # where it went before (here Python's faulthandler, then death by the signal), not be swallowed
+    # or loop forever.
+    res = subprocess.run([sys.executable, "-c", _FOREIGN_SIGBUS], capture_output=True, text=True, timeout=120)
+    assert res.stdout.splitlines() == ["loaded"], (res.stdout, res.stderr)
+    assert res.returncode == -7 and "Bus error" in res.stderr, (res.returncode, res.stderr)

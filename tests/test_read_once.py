@@ -4,6 +4,7 @@ core's own byte counters), handed between ranks with collectives, bit-exact, wit
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import olmo_chunks
@@ -418,10 +419,19 @@ def test_tied_destinations_are_checked(tmp_path):
 
 
 def test_a_corrupt_block_fails_every_rank(saved, tmp_path):
+    path = str(tmp_path / "corrupt")
+    _flip_a_byte(saved["S0"], path)
+    with pytest.raises(world.WorldError) as err:
+        world.run(4, load_as, path, "R", "once")
+    kinds = {f.type_name for f in err.value.failures}
+    assert len(err.value.failures) == 4 and kinds <= {ChecksumError.__name__, RankFailedError.__name__}
+    assert ChecksumError.__name__ in kinds
+
+
+def _flip_a_byte(saved: str, path: str) -> None:
     import shutil
 
-    path = str(tmp_path / "corrupt")
-    shutil.copytree(saved["S0"], path)
+    shutil.copytree(saved, path)
     m = _core.Manifest.open(path)
     info = m.files[m.chunks(0)[0].file]
     with open(f"{path}/{info.path}", "r+b") as f:
@@ -429,11 +439,56 @@ def test_a_corrupt_block_fails_every_rank(saved, tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def load_delegated(path: str, layout: str, own_host: bool):
+    """An auto load from fast storage (so read directly) on this world, every rank on this machine
+    or (`own_host`) each claiming a host of its own; returns (exact, read mode, why, bytes this
+    rank read from storage)."""
+    import os
+
+    from olmo_chunks import _dist
+
+    os.environ["OLMO_CHUNKS_STORAGE_GBPS"] = "1000"
+    if own_host:
+        os.environ["OLMO_CHUNKS_HOST"] = f"host-{dist.get_rank()}"
+    _dist._HOST = None
+    try:
+        mesh = world.mesh((dist.get_world_size(),))
+        state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
+        before = _core.io_counters()[0]
+        r = olmo_chunks.load(state, path).reading
+        nbytes = _core.io_counters()[0] - before
+        exact = all(torch.equal(state[k].to_local(), distribute_tensor(full(k), mesh, placements(layout)).to_local())
+                    for k in KEYS)
+        return exact, r.read, r.why, nbytes
+    finally:
+        os.environ.pop("OLMO_CHUNKS_STORAGE_GBPS", None)
+        os.environ.pop("OLMO_CHUNKS_HOST", None)
+        _dist._HOST = None
+
+
+def test_a_block_the_ranks_of_a_host_share_is_checked_by_one_of_them(saved, tmp_path):
+    # S0 -> S1 on 4 ranks, read directly: each rank needs a quarter of every row of every 1 MiB
+    # block. Each rank used to read every block whole to check it (4x the checkpoint in all). Now
+    # one rank of the host reads and checks each block, the other three copy their quarter.
+    same = world.run(4, load_delegated, saved["S0"], "S1", False)
+    for exact, read, why, _ in same:
+        assert exact and read == "direct" and fill.DELEGATED in why, why
+    manifest = os.path.getsize(os.path.join(saved["S0"], _core.MANIFEST_NAME))  # rank 0 reads it
+    assert sum(n for *_, n in same) == CHECKPOINT * 7 // 4 + manifest
+    # Ranks on different hosts read through different page caches: each checks what it reads.
+    apart = world.run(4, load_delegated, saved["S0"], "S1", True)
+    for exact, read, why, _ in apart:
+        assert exact and read == "direct" and fill.DELEGATED not in why, why
+    assert sum(n for *_, n in apart) == CHECKPOINT * 4 + manifest
+    # A flipped byte is caught by the rank that checks its block, and fails every rank.
+    path = str(tmp_path / "corrupt")
+    _flip_a_byte(saved["S0"], path)
     with pytest.raises(world.WorldError) as err:
-        world.run(4, load_as, path, "R", "once")
-    kinds = {f.type_name for f in err.value.failures}
-    assert len(err.value.failures) == 4 and kinds <= {ChecksumError.__name__, RankFailedError.__name__}
-    assert ChecksumError.__name__ in kinds
+        world.run(4, load_delegated, path, "S1", False)
+    kinds = [f.type_name for f in err.value.failures]
+    assert sorted(kinds) == [ChecksumError.__name__] + [RankFailedError.__name__] * 3, kinds
 
 
 def test_read_mode_is_checked(saved):

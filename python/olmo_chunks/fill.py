@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from . import _core, rates
-from ._dist import INLINE_BYTES, Group
+from ._dist import INLINE_BYTES, Group, host_id
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
+from .location import is_url
 from .shards import is_dense
 
 __all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "FillStep", "ReadOutcome", "check_read_mode", "fill"]
@@ -71,6 +72,8 @@ class ReadOutcome:
     predicted_once_s: float | None = None
     why: str = ""
     seconds: float = 0.0
+    # Read directly: this rank's blocks another rank of its host checks (`_core.ReadChoice.trusted`).
+    trusted: bytes | None = None
 
 
 def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None,
@@ -132,7 +135,8 @@ class FillStep:
         t_read = time.perf_counter()
         planned = self.once.load.ro if self.once is not None else None
         if planned is not None and self.direct:  # its copies are planned already (`needs`)
-            planned.load(self.once.load.storages, verify=verify, workers=workers)  # type: ignore[union-attr]
+            planned.load(self.once.load.storages, verify=verify, workers=workers,  # type: ignore[union-attr]
+                         trusted=outcome.trusted)
         elif self.direct:
             _load_direct(manifest, self.direct, verify, workers)
         for batch in _batches(self.staged):
@@ -300,20 +304,25 @@ class _ReadOnce:
         self.pg = id(group.pg)
         self.inline = max(256, INLINE_BYTES // group.size)
         self.needs: list[bytes] = []
-        self.plans: list[bytes] | None = None
+        self.plans: list[bytes] | None = None  # rank 0's: each rank's plan, or what it trusts (`decide`)
+        self.hosts: list[int] | None = None
 
-    def describe(self) -> tuple[bool, list[str], bytes | None]:
+    def describe(self) -> tuple[bool, list[str], bytes | None, int]:
         n, cuda = self.load.needs()
         self.needs.append(n)
-        return cuda, [d for d in ("cpu", "cuda") if (self.pg, d) in _EXCHANGE], n if len(n) <= self.inline else None
+        known = [d for d in ("cpu", "cuda") if (self.pg, d) in _EXCHANGE]
+        return cuda, known, n if len(n) <= self.inline else None, host_id()
 
     def shared(self, needs: list[bytes]) -> bool:
         """Whether reading once may pay: some block is needed by two ranks (or it is forced)."""
         return self.force or _core.blocks_shared(needs)
 
-    def decide(self, gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str]:
+    def decide(self, gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str, bool]:
+        """Rank 0's decision, and (in `plans`) each rank's plan, or, read directly, the blocks it
+        trusts another rank of its host to check: where the checkpoint is on a filesystem (a
+        page cache the ranks of a host share) and checksums are on."""
         if not self.shared(gathered):
-            return "direct", None, None, NOT_SHARED
+            return "direct", None, None, NOT_SHARED, False
         model, why = None, ""
         measured = _EXCHANGE.get((self.pg, device))
         if self.auto and measured is not None:
@@ -323,23 +332,30 @@ class _ReadOnce:
             why = (f"storage {storage / 1e9:.2f} GB/s ({origin}), exchange {measured.bps / 1e9:.2f} GB/s "
                    f"on {device}, {measured.round_s * 1e3:.1f} ms per round, copies "
                    f"{measured.copy_bps / 1e9:.2f} GB/s" + (f", once x{f:.2f} its model (measured)" if f != 1 else ""))
+        hosts = self.hosts if self.load.verify and not is_url(self.source) else None
         # Rounds of half the budget: two of them overlap (`_CooperativeLoad.run`).
-        choice = _core.plan_read_once(self.load.manifest, gathered, STAGING_BYTES // 2, self.force, model)
-        self.plans = choice.plans
-        return "once" if self.plans is not None else "direct", choice.direct_s, choice.once_s, why
+        choice = _core.plan_read_once(self.load.manifest, gathered, STAGING_BYTES // 2, self.force, model, hosts)
+        if choice.plans is not None:
+            self.plans = choice.plans
+            return "once", choice.direct_s, choice.once_s, why, True
+        self.plans = choice.trusted
+        if choice.trusted is not None:
+            why += ("; " if why else "") + DELEGATED
+        return "direct", choice.direct_s, choice.once_s, why, self.plans is not None
 
-    def first(self, got: list[tuple[bool, list[str], bytes | None]]) -> list[Any]:
+    def first(self, got: list[tuple[bool, list[str], bytes | None, int]]) -> list[Any]:
         group = self.group
-        device = _exchange_device(group, any(c for c, _, _ in got), all(c for c, _, _ in got))
-        probe = self.auto and group.size > 1 and not all(device in known for _, known, _ in got)
-        inline = all(n is not None for *_, n in got)
-        if probe and inline and not self.shared([n for *_, n in got if n is not None]):
+        self.hosts = [h for *_, h in got]
+        device = _exchange_device(group, any(g[0] for g in got), all(g[0] for g in got))
+        probe = self.auto and group.size > 1 and not all(device in g[1] for g in got)
+        inline = all(g[2] is not None for g in got)
+        if probe and inline and not self.shared([g[2] for g in got if g[2] is not None]):
             probe = False  # reading once cannot pay: nothing to measure
         if probe or not inline:
             # Measure now, or once the gathered needs show a block shared (`finish`).
             when = ("now" if inline else "if shared") if probe else None
             return [(None, device, when, None)] * group.size
-        decision = self.decide([n for *_, n in got if n is not None], device)
+        decision = self.decide([g[2] for g in got if g[2] is not None], device)
         plans = self.plans
         small = plans is not None and sum(map(len, plans)) <= INLINE_BYTES
         return [(decision, device, None, plans[r] if plans is not None and small else None)
@@ -354,17 +370,19 @@ class _ReadOnce:
             gathered = group.gather_bytes(self.needs[0]) if group.size > 1 else self.needs
             if probe == "if shared":
                 decision = group.exchange(None, lambda _: None if self.shared(gathered or []) else
-                                          ("direct", None, None, NOT_SHARED))[1]
+                                          ("direct", None, None, NOT_SHARED, False))[1]
                 if decision is None:
                     _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
             if decision is None:
                 decision = group.exchange(None, lambda _: self.decide(gathered or [], device))[1]
-        mode, direct_s, once_s, why = decision
+        mode, direct_s, once_s, why, per_rank = decision
         outcome = ReadOutcome(mode, predicted_direct_s=direct_s, predicted_once_s=once_s, why=why)
-        if outcome.read == "direct":
-            return outcome
-        if mine is None:
+        if mine is None and per_rank:
             mine = group.scatter_bytes(self.plans) if group.size > 1 else self.plans[0]  # type: ignore[index]
+        if outcome.read == "direct":
+            outcome.trusted = mine
+            return outcome
+        assert mine is not None, "a read-once decision comes with plans"
         t0 = time.perf_counter()
         outcome.rounds, outcome.peak_bytes = self.load.run(mine, device)
         if once_s is not None:  # every rank learns its own; rank 0's is the one that decides
@@ -373,6 +391,7 @@ class _ReadOnce:
 
 
 NOT_SHARED = "no saved block is needed by two ranks: each reads its own"
+DELEGATED = "a block that ranks of one host share is checked by one of them"
 
 # Each group's measured exchange, by process group and device (`_measure_exchange`), each
 # all-to-all of the probe timed `PROBE_TRIES` times.

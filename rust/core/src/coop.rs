@@ -212,18 +212,101 @@ pub struct Prediction {
 }
 
 /// Per rank, the bytes a direct load reads: every block it needs, whole (so its checksum is
-/// verified). `needs` must be valid for `m` (as [`plan`] checks).
-pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>]) -> Vec<u64> {
+/// verified), but only its own bytes of a block it trusts (`trusted[r]`, sorted, from
+/// [`delegate_checks`]). `needs` must be valid for `m` (as [`plan`] checks).
+pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>], trusted: &[Vec<(u64, u64)>]) -> Vec<u64> {
     needs
         .iter()
-        .map(|list| {
-            let mut blocks: Vec<(u64, u64)> =
-                list.iter().map(|n| (n.span.chunk, n.block)).collect();
-            blocks.sort_unstable();
-            blocks.dedup();
-            blocks.iter().map(|&(c, b)| block_len(m, c, b)).sum()
+        .enumerate()
+        .map(|(r, list)| {
+            let trusts =
+                |b: &(u64, u64)| trusted.get(r).is_some_and(|t| t.binary_search(b).is_ok());
+            let mut blocks: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+            for n in list {
+                *blocks.entry((n.span.chunk, n.block)).or_default() += n.span.bytes();
+            }
+            blocks
+                .iter()
+                .map(|(b, &own)| {
+                    let whole = block_len(m, b.0, b.1);
+                    if trusts(b) {
+                        own.min(whole)
+                    } else {
+                        whole
+                    }
+                })
+                .sum()
         })
         .collect()
+}
+
+/// Who checks each block of a direct load on each host: per rank, the blocks `(chunk, block)`,
+/// sorted, that it reads without checking, because another rank of its host checks them. Every
+/// block that ranks of one host need is checked by exactly one of them: one that needs the block
+/// whole if there is such a rank, else the one with the fewest bytes to check so far (or the
+/// previous block's checker, while within a read unit of that), which then reads it whole. The
+/// others copy only their own bytes of it: where each of several ranks needs a piece of every row
+/// of a block, the block is pulled through memory once on the host, not once per rank.
+/// `hosts[r]` (one per rank) names rank `r`'s host: ranks that read through one page cache (one
+/// kernel), so that the bytes a rank copies are the ones its peer checked. `needs` must be valid
+/// for `m` (as [`plan`] checks).
+pub fn delegate_checks(m: &Manifest, needs: &[Vec<Need>], hosts: &[u64]) -> Vec<Vec<(u64, u64)>> {
+    // (chunk, block, host) -> (rank, bytes it needs), ranks ascending
+    let mut by_block: BTreeMap<(u64, u64, u64), Vec<(usize, u64)>> = BTreeMap::new();
+    for (r, list) in needs.iter().enumerate() {
+        for n in list {
+            let v = by_block
+                .entry((n.span.chunk, n.block, hosts[r]))
+                .or_default();
+            match v.last_mut() {
+                Some(last) if last.0 == r => last.1 += n.span.bytes(),
+                _ => v.push((r, n.span.bytes())),
+            }
+        }
+    }
+    let mut load = vec![0u64; needs.len()];
+    let mut trusted = vec![Vec::new(); needs.len()];
+    // (chunk, host) -> (block, rank): the last checker, kept on for the next block while its load
+    // stays within a read unit of the least: runs of blocks, not one block per rank in turn,
+    // so that each rank reads (and maps) long stretches.
+    let mut last: BTreeMap<(u64, u64), (u64, usize)> = BTreeMap::new();
+    for ((chunk, block, host), ranks) in by_block {
+        let whole = block_len(m, chunk, block);
+        if ranks.len() > 1 {
+            let any_whole = ranks.iter().any(|&(_, n)| n >= whole);
+            let can = |&&(_, n): &&(usize, u64)| !any_whole || n >= whole;
+            let least = ranks
+                .iter()
+                .filter(can)
+                .map(|&(r, _)| load[r])
+                .min()
+                .unwrap();
+            let keep = last.get(&(chunk, host)).filter(|&&(b, r)| {
+                b + 1 == block
+                    && ranks.iter().filter(can).any(|&(q, _)| q == r)
+                    && load[r] <= least + crate::io::MAX_UNIT
+            });
+            let checker = match keep {
+                Some(&(_, r)) => r,
+                None => {
+                    ranks
+                        .iter()
+                        .filter(can)
+                        .min_by_key(|&&(r, _)| (load[r], r))
+                        .unwrap()
+                        .0
+                }
+            };
+            last.insert((chunk, host), (block, checker));
+            for &(r, _) in ranks.iter().filter(|&&(r, _)| r != checker) {
+                trusted[r].push((chunk, block));
+            }
+            load[checker] += whole;
+        } else {
+            load[ranks[0].0] += whole;
+        }
+    }
+    trusted
 }
 
 /// The cost model of the two read strategies. Ranks work in parallel and the slowest one sets the
@@ -742,6 +825,46 @@ pub fn decode_needs(bytes: &[u8]) -> Result<Vec<Need>> {
             span: c.span()?,
         });
     }
+    Ok(out)
+}
+
+/// The wire form of one rank's trusted blocks (sorted `(chunk, block)`): runs of consecutive
+/// blocks of a chunk, `(chunk, first block, count)` each.
+pub fn encode_trusted(blocks: &[(u64, u64)]) -> Vec<u8> {
+    let mut w: Vec<u64> = Vec::new();
+    for &(chunk, block) in blocks {
+        match w.len().checked_sub(3).map(|i| (w[i], w[i + 1], w[i + 2])) {
+            Some((c, first, n)) if c == chunk && first + n == block => *w.last_mut().unwrap() += 1,
+            _ => w.extend([chunk, block, 1]),
+        }
+    }
+    to_bytes(&w)
+}
+
+/// [`encode_trusted`] read back: sorted blocks, each of a chunk of `m` (else `InvalidArgument`).
+pub fn decode_trusted(m: &Manifest, bytes: &[u8]) -> Result<Vec<(u64, u64)>> {
+    let w = words(bytes)?;
+    if !w.len().is_multiple_of(3) {
+        return Err(CoreError::InvalidArgument(
+            "a list of trusted blocks is not made of (chunk, block, count) runs".into(),
+        ));
+    }
+    let mut out = Vec::new();
+    for run in w.chunks_exact(3) {
+        let (chunk, first, n) = (run[0], run[1], run[2]);
+        let blocks = m
+            .chunks
+            .get(chunk as usize)
+            .map_or(0, |c| c.len.div_ceil(m.block_size));
+        if first.checked_add(n).is_none_or(|e| e > blocks) {
+            return Err(CoreError::InvalidArgument(format!(
+                "trusted blocks {first}+{n} of chunk {chunk}: no such blocks in the checkpoint"
+            )));
+        }
+        out.extend((first..first + n).map(|b| (chunk, b)));
+    }
+    out.sort_unstable();
+    out.dedup();
     Ok(out)
 }
 

@@ -356,11 +356,27 @@ pub fn read_into(
 pub fn read_from(
     storage: &dyn Storage,
     m: &Manifest,
-    mut copies: Vec<ByteCopy>,
+    copies: Vec<ByteCopy>,
     dests: Vec<&mut [u8]>,
     verify: bool,
     workers: usize,
 ) -> Result<()> {
+    read_from_trusting(storage, m, copies, dests, verify, &[], workers)
+}
+
+/// [`read_from`], but blocks `(chunk, block)` of `trusted` (sorted) are not checked: another
+/// rank on this host reads each of them whole and checks it (`coop::delegate_checks`). This rank
+/// then copies only its pieces of them, out of a mapping where the storage has one.
+pub fn read_from_trusting(
+    storage: &dyn Storage,
+    m: &Manifest,
+    mut copies: Vec<ByteCopy>,
+    dests: Vec<&mut [u8]>,
+    verify: bool,
+    trusted: &[(u64, u64)],
+    workers: usize,
+) -> Result<()> {
+    let trusts = |chunk: usize, block: u64| trusted.binary_search(&(chunk as u64, block)).is_ok();
     copies.retain(|c| c.len > 0);
     for c in &copies {
         let chunk = m
@@ -389,10 +405,13 @@ pub fn read_from(
         let (f, path) = slot.as_ref().unwrap();
         check_extent(m, c.chunk, path, f.size())?;
     }
-    let requests = merge_units(m, make_units(m, &copies, slices), storage.read_merge());
+    let units = make_units(m, &copies, slices, &trusts);
+    let requests = merge_units(m, units, storage.read_merge());
     let job = |u: Unit<'_>| -> Result<()> {
         let ch = &m.chunks[u.chunk];
         let (f, path) = files[ch.file as usize].as_ref().unwrap();
+        // A unit's blocks are all trusted or none is (`make_units`).
+        let verify = verify && !trusts(u.chunk, u.start / m.block_size);
         if ch.codec != Codec::Raw {
             let mut parts = u.parts;
             return with_scratch(|raw| {
@@ -436,6 +455,13 @@ pub fn read_from(
                 }
                 return Ok(());
             }
+            let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
+            if !verify && wanted < len {
+                // Only the pieces are wanted: copied out of a mapping, where there is one.
+                if let Some(done) = f.copy_parts(ch.offset + u.start, &mut parts) {
+                    return done.map_err(io_err);
+                }
+            }
             if let Some(w) = f.window() {
                 let mut check =
                     verify.then(|| BlockCheck::new(m, u.chunk, ch, u.start, u.end, path));
@@ -450,7 +476,6 @@ pub fn read_from(
             }
             // One vectored read straight into the destinations; bytes no target wants land in
             // scratch (they are read anyway, for the block checksums).
-            let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
             scratch.resize(len - wanted, 0);
             let mut spare: &mut [u8] = &mut scratch[..];
             let mut segs: Vec<&mut [u8]> = Vec::with_capacity(2 * parts.len() + 1);
@@ -789,6 +814,7 @@ fn make_units<'a>(
     m: &Manifest,
     copies: &[ByteCopy],
     mut slices: Vec<Option<&'a mut [u8]>>,
+    trusts: &dyn Fn(usize, u64) -> bool,
 ) -> Vec<Unit<'a>> {
     let bs = m.block_size;
     let unit_max = MAX_UNIT.next_multiple_of(bs);
@@ -820,6 +846,17 @@ fn make_units<'a>(
             }
             cuts.push(c.src.next_multiple_of(bs).min(clen));
             cuts.push((c.src + c.len) / bs * bs);
+        }
+        // And where trusted blocks start and end: a unit is checked whole or not at all.
+        for &(s, e) in &segs {
+            let mut prev = None;
+            for block in s / bs..e.div_ceil(bs) {
+                let t = trusts(chunk, block);
+                if prev.is_some_and(|p| p != t) {
+                    cuts.push(block * bs);
+                }
+                prev = Some(t);
+            }
         }
         cuts.sort_unstable();
         cuts.dedup();

@@ -17,6 +17,7 @@ pub mod io;
 pub mod load;
 pub mod location;
 pub mod manifest;
+mod mapped;
 pub mod object;
 pub mod pace;
 pub mod plan;

@@ -76,6 +76,12 @@ pub trait Object: Send + Sync {
     fn window(&self) -> Option<usize> {
         None
     }
+    /// Copies `parts` (`(offset from at, destination)`) out of bytes `at..` without reading the
+    /// bytes between them (a local file's mapping), or `None` where this object cannot (the
+    /// caller then reads the range). A short object is `UnexpectedEof`.
+    fn copy_parts(&self, _at: u64, _parts: &mut [(u64, &mut [u8])]) -> Option<std::io::Result<()>> {
+        None
+    }
     /// Writes all of `data` at `offset`.
     fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()>;
     /// Declares that bytes `offset..offset + len` are never written and stay zero (alignment
@@ -371,6 +377,8 @@ struct LocalObject {
     path: PathBuf,
     size: u64,
     counters: Arc<IoCounters>,
+    /// A mapping of its `size` bytes, made on the first `copy_parts` (`None`: it cannot be).
+    map: std::sync::OnceLock<Option<crate::mapped::MappedFile>>,
 }
 
 /// Bytes a local read hands to its checksum at a time: within a core's L2 cache.
@@ -402,6 +410,19 @@ impl Object for LocalObject {
 
     fn window(&self) -> Option<usize> {
         Some(SEEN_WINDOW)
+    }
+
+    fn copy_parts(&self, at: u64, parts: &mut [(u64, &mut [u8])]) -> Option<std::io::Result<()>> {
+        let map = self
+            .map
+            .get_or_init(|| crate::mapped::MappedFile::new(&self.file, self.size))
+            .as_ref()?;
+        let done = map.copy_parts(at, parts);
+        if done.is_ok() {
+            self.counters
+                .add_read(parts.iter().map(|p| p.1.len() as u64).sum());
+        }
+        Some(done)
     }
 
     /// Reads in windows of [`SEEN_WINDOW`] bytes, each handed to `seen` before the next is read.
@@ -467,6 +488,7 @@ impl Storage for LocalFs {
             path: self.name(rel),
             size,
             counters: self.counters.clone(),
+            map: Default::default(),
         }))
     }
 
@@ -495,6 +517,7 @@ impl Storage for LocalFs {
             path,
             size,
             counters: self.counters.clone(),
+            map: Default::default(),
         }))
     }
 

@@ -461,14 +461,22 @@ impl PyReadOnce {
     /// Reads directly (as `Manifest.load`, without planning again) the copies into the first
     /// `len(buffers)` buffers, which must have the lengths they were planned with; the others are
     /// left to the caller. Spends the copies: a second call is refused.
-    #[pyo3(signature = (buffers, verify=true, workers=None))]
+    /// With `trusted` (this rank's item of `ReadChoice.trusted`), the blocks another rank of this
+    /// host checks are not checked here, and only this rank's bytes of them are read.
+    #[pyo3(signature = (buffers, verify=true, workers=None, trusted=None))]
     fn load(
         &mut self,
         py: Python<'_>,
         buffers: Vec<(usize, usize)>,
         verify: bool,
         workers: Option<usize>,
+        trusted: Option<&[u8]>,
     ) -> PyResult<()> {
+        let trusted = trusted
+            .map(|t| core::coop::decode_trusted(&self.m, t))
+            .transpose()
+            .map_err(|e| to_pyerr(py, e))?
+            .unwrap_or_default();
         if self.loaded {
             return Err(to_pyerr(
                 py,
@@ -493,12 +501,13 @@ impl PyReadOnce {
         copies.retain(|c| c.dst < n);
         let (m, storage) = (self.m.clone(), self.storage.clone());
         detach(py, move || {
-            core::read_from(
+            core::io::read_from_trusting(
                 &*storage,
                 &m,
                 copies,
                 as_slices(&buffers)?,
                 verify,
+                &trusted,
                 worker_count(workers),
             )
         })
@@ -605,9 +614,11 @@ impl PyReadOnce {
 /// rank, in rounds within `budget` bytes per rank. With `rates`, also predicts the seconds of the
 /// load read directly and read once (`core::coop::predict`), and plans only if reading once is
 /// predicted faster. No plan (each rank reads its own) when no saved block is needed by more than
-/// one rank, unless `force`.
+/// one rank, unless `force`. With `hosts` (each rank's host, ranks of one host reading through one
+/// page cache), a load read directly has each shared block checked by one rank per host
+/// (`core::coop::delegate_checks`; the prediction counts it so), and `trusted` says which.
 #[pyfunction]
-#[pyo3(signature = (manifest, needs, budget, force=false, rates=None))]
+#[pyo3(signature = (manifest, needs, budget, force=false, rates=None, hosts=None))]
 fn plan_read_once(
     py: Python<'_>,
     manifest: &PyManifest,
@@ -615,33 +626,51 @@ fn plan_read_once(
     budget: u64,
     force: bool,
     rates: Option<PyRef<'_, PyRates>>,
+    hosts: Option<Vec<u64>>,
 ) -> PyResult<PyReadChoice> {
     let m = manifest.inner.clone();
     let rates = rates.map(|r| r.inner());
-    let (plans, predicted) = detach(py, move || {
+    if hosts.as_ref().is_some_and(|h| h.len() != needs.len()) {
+        return Err(to_pyerr(
+            py,
+            CoreError::InvalidArgument("one host per rank's needs".into()),
+        ));
+    }
+    let (plans, predicted, trusted) = detach(py, move || {
         let needs = needs
             .iter()
             .map(|b| core::coop::decode_needs(b))
             .collect::<core::Result<Vec<_>>>()?;
         let shared = core::coop::shared(&needs);
         if !force && !shared && rates.is_none() {
-            return Ok((None, None));
+            return Ok((None, None, None));
         }
         let plans = core::coop::plan(&m, &needs, budget)?;
-        let predicted =
-            rates.map(|r| core::coop::predict(&core::coop::direct_bytes(&m, &needs), &plans, &r));
+        let trusted = hosts
+            .filter(|_| shared)
+            .map(|h| core::coop::delegate_checks(&m, &needs, &h))
+            .filter(|t| t.iter().any(|b| !b.is_empty()));
+        let direct = core::coop::direct_bytes(&m, &needs, trusted.as_deref().unwrap_or(&[]));
+        let predicted = rates.map(|r| core::coop::predict(&direct, &plans, &r));
         let once = force || (shared && predicted.is_none_or(|p| p.once < p.direct));
         let plans = once.then(|| plans.iter().map(|p| p.encode()).collect::<Vec<_>>());
-        Ok((plans, predicted))
+        let trusted = trusted.filter(|_| !once).map(|t| {
+            t.iter()
+                .map(|b| core::coop::encode_trusted(b))
+                .collect::<Vec<_>>()
+        });
+        Ok((plans, predicted, trusted))
     })?;
+    let to_py = |ps: Vec<Vec<u8>>| {
+        ps.iter()
+            .map(|p| pyo3::types::PyBytes::new(py, p).unbind())
+            .collect()
+    };
     Ok(PyReadChoice {
-        plans: plans.map(|ps| {
-            ps.iter()
-                .map(|p| pyo3::types::PyBytes::new(py, p).unbind())
-                .collect()
-        }),
+        plans: plans.map(to_py),
         direct_s: predicted.map(|p| p.direct),
         once_s: predicted.map(|p| p.once),
+        trusted: trusted.map(to_py),
     })
 }
 

@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::common::*;
 use olmo_chunks_core::coop::{self, ReadPlan};
-use olmo_chunks_core::{plan_copies, read_into, ByteCopy, LocalFs, Manifest, Target};
+use olmo_chunks_core::io::read_from_trusting;
+use olmo_chunks_core::{plan_copies, read_into, ByteCopy, CoreError, LocalFs, Manifest, Target};
 use proptest::prelude::*;
 
 fn random_tensors(rng: &mut Seeded) -> Vec<SavedTensor> {
@@ -136,7 +137,7 @@ proptest! {
         let direct: Vec<u64> = needs.iter().map(|list| {
             list.iter().map(|n| (n.span.chunk, n.block)).collect::<BTreeSet<_>>().into_iter().map(block_len).sum()
         }).collect();
-        prop_assert_eq!(&coop::direct_bytes(&m, &needs), &direct);
+        prop_assert_eq!(&coop::direct_bytes(&m, &needs, &[]), &direct);
         let once_reads: u64 = plans.iter().flat_map(|p| &p.rounds).map(|k| k.read_len()).sum();
         prop_assert_eq!(once_reads, wanted.keys().copied().map(block_len).sum::<u64>());
         prop_assert!(once_reads <= direct.iter().sum::<u64>());
@@ -222,6 +223,42 @@ fn crafted_plans_and_needs_are_refused() {
         .flat_map(|w| w.to_le_bytes())
         .collect();
     assert!(ReadPlan::decode(&words).is_err());
+}
+
+#[test]
+fn crafted_lists_of_trusted_blocks_are_refused() {
+    let tensors = vec![SavedTensor {
+        key: "w".into(),
+        dtype: "uint8".into(),
+        shape: vec![100],
+        regions: vec![olmo_chunks_core::Region::Box {
+            offsets: vec![0],
+            sizes: vec![100],
+        }],
+    }];
+    let m = in_memory_manifest(&tensors, 30); // one chunk of 4 blocks
+    let wire = |w: &[u64]| -> Vec<u8> { w.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    assert_eq!(
+        coop::decode_trusted(&m, &wire(&[0, 1, 3])).unwrap(),
+        vec![(0, 1), (0, 2), (0, 3)]
+    );
+    assert_eq!(
+        coop::encode_trusted(&[(0, 0), (0, 1), (0, 3)]),
+        wire(&[0, 0, 2, 0, 3, 1])
+    );
+    for bad in [
+        vec![0u8; 12],           // not whole words
+        wire(&[0, 1]),           // not whole runs
+        wire(&[0, 2, 3]),        // past the chunk's last block
+        wire(&[1, 0, 1]),        // no such chunk
+        wire(&[0, u64::MAX, 2]), // overflows
+    ] {
+        let e = coop::decode_trusted(&m, &bad).unwrap_err();
+        assert!(
+            matches!(e, olmo_chunks_core::CoreError::InvalidArgument(_)),
+            "{e}"
+        );
+    }
 }
 
 #[test]
@@ -354,5 +391,107 @@ proptest! {
             .flat_map(|n| n.span.pieces().map(move |(lo, hi)| (n.span.chunk, n.block, lo, hi)).collect::<Vec<_>>())
             .collect();
         prop_assert_eq!(got, runs);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Read directly with checks delegated: on each host every block its ranks need is checked by
+    /// exactly one of them (one that needs it whole where there is one), each rank ends with the
+    /// bytes a checked read gives it, and a block corrupted on disk is caught on every host that
+    /// reads it. The cost model counts a trusted block at the rank's own bytes of it.
+    #[test]
+    fn delegated_checks_catch_every_bad_block_once_per_host(
+        seed in any::<u64>(),
+        block in prop::sample::select(vec![1u64, 3, 8, 64, 100]),
+        world in 1usize..=5,
+        host_count in 1u64..=3,
+    ) {
+        let mut rng = Seeded::new(seed);
+        let dir = tempfile::tempdir().unwrap();
+        let tensors = random_tensors(&mut rng);
+        save(dir.path(), &tensors, 2, block, 2);
+        let m = Manifest::open(dir.path()).unwrap();
+        let ranks: Vec<Rank> = (0..world).map(|_| rank_targets(&mut rng, &m, &tensors, dir.path())).collect();
+        let hosts: Vec<u64> = (0..world).map(|_| rng.below(host_count)).collect();
+        let needs: Vec<Vec<coop::Need>> = ranks.iter().map(|r| coop::needs(&m, &r.copies)).collect();
+        let trusted: Vec<Vec<(u64, u64)>> = coop::delegate_checks(&m, &needs, &hosts)
+            .iter()
+            .map(|t| coop::decode_trusted(&m, &coop::encode_trusted(t)).unwrap())
+            .collect();
+
+        let block_len = |(c, b): (u64, u64)| (m.chunks[c as usize].len - b * block).min(block);
+        let mut own: BTreeMap<(u64, u64, usize), u64> = BTreeMap::new(); // (chunk, block, rank) -> bytes
+        for (r, list) in needs.iter().enumerate() {
+            for n in list {
+                *own.entry((n.span.chunk, n.block, r)).or_default() += n.span.bytes();
+            }
+        }
+        let mut checkers: BTreeMap<(u64, u64, u64), Vec<usize>> = BTreeMap::new();
+        let mut needers: BTreeMap<(u64, u64, u64), Vec<usize>> = BTreeMap::new();
+        for &(c, b, r) in own.keys() {
+            needers.entry((c, b, hosts[r])).or_default().push(r);
+            if !trusted[r].contains(&(c, b)) {
+                checkers.entry((c, b, hosts[r])).or_default().push(r);
+            }
+        }
+        for (r, t) in trusted.iter().enumerate() {
+            for &(c, b) in t {
+                prop_assert!(own.contains_key(&(c, b, r)), "rank {} trusts a block it does not need", r);
+            }
+        }
+        for (key, rs) in &needers {
+            let checked_by = checkers.get(key).cloned().unwrap_or_default();
+            prop_assert_eq!(checked_by.len(), 1, "block {:?} checked by {:?} of {:?}", key, checked_by, rs);
+            let whole = |r: usize| own[&(key.0, key.1, r)] >= block_len((key.0, key.1));
+            if rs.iter().any(|&r| whole(r)) {
+                prop_assert!(whole(checked_by[0]));
+            }
+        }
+        let direct: Vec<u64> = (0..world).map(|r| {
+            own.iter().filter(|(k, _)| k.2 == r).map(|(&(c, b, _), &n)| {
+                if trusted[r].contains(&(c, b)) { n.min(block_len((c, b))) } else { block_len((c, b)) }
+            }).sum()
+        }).collect();
+        prop_assert_eq!(coop::direct_bytes(&m, &needs, &trusted), direct);
+
+        let read = |r: usize| -> (Vec<Vec<u8>>, olmo_chunks_core::Result<()>) {
+            let mut bufs: Vec<Vec<u8>> = ranks[r].lens.iter().map(|&n| vec![0xA5; n]).collect();
+            let done = read_from_trusting(
+                &LocalFs::new(dir.path()),
+                &m,
+                ranks[r].copies.clone(),
+                bufs.iter_mut().map(|b| b.as_mut_slice()).collect(),
+                true,
+                &trusted[r],
+                2,
+            );
+            (bufs, done)
+        };
+        for (r, rank) in ranks.iter().enumerate() {
+            let (bufs, done) = read(r);
+            prop_assert!(done.is_ok());
+            prop_assert_eq!(&bufs, &rank.direct);
+        }
+
+        // One flipped byte in a needed block: each host reading it has a rank that fails.
+        if own.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<_> = own.keys().collect();
+        let &&(c, b, _) = rng.pick(&keys);
+        let ch = &m.chunks[c as usize];
+        let at = ch.offset + b * block + rng.below(block_len((c, b)));
+        let path = dir.path().join(&m.files[ch.file as usize].path);
+        let mut data = std::fs::read(&path).unwrap();
+        data[at as usize] ^= 0x40;
+        std::fs::write(&path, &data).unwrap();
+        for ((_, _, host), rs) in needers.range((c, b, 0)..=(c, b, u64::MAX)) {
+            let failed: Vec<usize> = rs.iter().copied().filter(|&r| {
+                matches!(read(r).1, Err(CoreError::ChecksumMismatch { .. }))
+            }).collect();
+            prop_assert_eq!(&failed, &checkers[&(c, b, *host)], "host {}", host);
+        }
     }
 }

@@ -1,0 +1,260 @@
+//! Copying scattered pieces of a local file out of a read-only mapping of it, where reading the
+//! whole range would copy every byte through the kernel only to keep a few (a rank that needs a
+//! quarter of every row of a block, and does not check the block itself).
+//!
+//! A mapped page whose file was truncated under the mapping raises SIGBUS on access, which would
+//! kill the process. While a mapping is in use it is registered here, and a SIGBUS handler
+//! (installed on first use, chaining to whatever handler was there before) replaces the rest of a
+//! registered mapping from the faulting page on with zero pages and marks it faulted: the copy
+//! finishes on zeros and is then reported as a short read (`UnexpectedEof`). A fault outside every
+//! registered mapping goes to the previous handler, or kills the process as it would have.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Mappings in use at once (one per I/O worker); a copy that finds none free is not mapped.
+const SLOTS: usize = 64;
+
+struct Slot {
+    busy: AtomicBool,
+    start: AtomicUsize,
+    end: AtomicUsize,
+    faulted: AtomicBool,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const FREE: Slot = Slot {
+    busy: AtomicBool::new(false),
+    start: AtomicUsize::new(0),
+    end: AtomicUsize::new(0),
+    faulted: AtomicBool::new(false),
+};
+static SLOT: [Slot; SLOTS] = [FREE; SLOTS];
+
+/// The SIGBUS action before ours, written under `INSTALL` before ours is installed.
+struct Previous(std::cell::UnsafeCell<Option<libc::sigaction>>);
+// SAFETY: written only under `INSTALL` while our handler is not the installed one; read by it.
+unsafe impl Sync for Previous {}
+static PREVIOUS: Previous = Previous(std::cell::UnsafeCell::new(None));
+static INSTALL: Mutex<()> = Mutex::new(());
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
+}
+
+extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel hands a valid siginfo to an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    for s in &SLOT {
+        let (start, end) = (
+            s.start.load(Ordering::Acquire),
+            s.end.load(Ordering::Acquire),
+        );
+        if start <= addr && addr < end {
+            let page = addr & !(page_size() - 1);
+            // Marked first: a thread that reads the zero pages then sees the mark.
+            s.faulted.store(true, Ordering::Release);
+            // SAFETY: replaces pages of our own registered mapping (async-signal-safe syscall).
+            let r = unsafe {
+                libc::mmap(
+                    page as *mut libc::c_void,
+                    end - page,
+                    libc::PROT_READ,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if r != libc::MAP_FAILED {
+                return; // the faulting access runs again, on a zero page
+            }
+        }
+    }
+    // Not ours: what would have happened without us.
+    // SAFETY: PREVIOUS was set before this handler was installed and is not written while it is.
+    let prev = unsafe { *PREVIOUS.0.get() };
+    match prev {
+        Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => unsafe {
+            if p.sa_flags & libc::SA_SIGINFO != 0 {
+                let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                    std::mem::transmute(p.sa_sigaction);
+                f(sig, info, ctx)
+            } else {
+                let f: extern "C" fn(libc::c_int) = std::mem::transmute(p.sa_sigaction);
+                f(sig)
+            }
+        },
+        _ => unsafe {
+            // The default action: back to it, and the access faults again, fatally.
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+        },
+    }
+}
+
+/// Makes `on_sigbus` the SIGBUS handler, unless it is already (another library, or Python's
+/// faulthandler, may have replaced it since: it is then chained to). False if that failed.
+fn ensure_handler() -> bool {
+    let _guard = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: plain sigaction calls; PREVIOUS is written while our handler is not installed.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut cur) != 0 {
+            return false;
+        }
+        if cur.sa_sigaction == on_sigbus as *const () as usize {
+            return true;
+        }
+        *PREVIOUS.0.get() = Some(cur);
+        let mut ours: libc::sigaction = std::mem::zeroed();
+        ours.sa_sigaction = on_sigbus as *const () as usize;
+        ours.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
+        libc::sigemptyset(&mut ours.sa_mask);
+        libc::sigaction(libc::SIGBUS, &ours, std::ptr::null_mut()) == 0
+    }
+}
+
+/// A registered read-only mapping of the first `len` bytes of a file, made once and shared by the
+/// threads that copy out of it (a mapping per copy would take the process's memory-map lock for
+/// writing each time, stalling every other thread's page faults).
+pub(crate) struct MappedFile {
+    base: *mut libc::c_void,
+    len: usize,
+    slot: &'static Slot,
+}
+
+// SAFETY: a read-only mapping, read through raw pointers only.
+unsafe impl Send for MappedFile {}
+unsafe impl Sync for MappedFile {}
+
+impl MappedFile {
+    /// `None` where the file cannot be mapped (or every slot is taken): the caller reads instead.
+    pub(crate) fn new(file: &File, len: u64) -> Option<MappedFile> {
+        let len = usize::try_from(len).ok().filter(|&n| n > 0)?;
+        if !ensure_handler() {
+            return None;
+        }
+        let slot = SLOT.iter().find(|s| {
+            s.busy
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        })?;
+        // SAFETY: a fresh shared read-only mapping of an open file; unmapped in Drop.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            slot.busy.store(false, Ordering::Release);
+            return None;
+        }
+        slot.faulted.store(false, Ordering::Relaxed);
+        slot.end.store(base as usize + len, Ordering::Release);
+        slot.start.store(base as usize, Ordering::Release);
+        Some(MappedFile { base, len, slot })
+    }
+
+    /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file.
+    /// `UnexpectedEof` where the file was cut short under the mapping (here or in another copy
+    /// out of it: the bytes may then be zeros).
+    pub(crate) fn copy_parts(
+        &self,
+        at: u64,
+        parts: &mut [(u64, &mut [u8])],
+    ) -> std::io::Result<()> {
+        let short = || Err(std::io::ErrorKind::UnexpectedEof.into());
+        for (off, dst) in parts.iter_mut() {
+            let start = at.checked_add(*off).and_then(|s| usize::try_from(s).ok());
+            let Some(start) =
+                start.filter(|s| s.checked_add(dst.len()).is_some_and(|e| e <= self.len))
+            else {
+                return short();
+            };
+            // SAFETY: inside the mapping (checked above); a page the file lost under us reads as
+            // zeros (`on_sigbus`) and the copy is then refused below.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (self.base as *const u8).add(start),
+                    dst.as_mut_ptr(),
+                    dst.len(),
+                )
+            };
+        }
+        if self.slot.faulted.load(Ordering::Acquire) {
+            return short();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        self.slot.start.store(0, Ordering::Release);
+        self.slot.end.store(0, Ordering::Release);
+        // SAFETY: our own mapping, no longer read.
+        unsafe { libc::munmap(self.base, self.len) };
+        self.slot.busy.store(false, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn file_of(bytes: &[u8]) -> (tempfile::NamedTempFile, File) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(bytes).unwrap();
+        let r = File::open(f.path()).unwrap();
+        (f, r)
+    }
+
+    #[test]
+    fn pieces_come_out_as_written() {
+        let data: Vec<u8> = (0..3 * 4096 + 123).map(|i| (i * 7 % 251) as u8).collect();
+        let (_f, file) = file_of(&data);
+        let map = MappedFile::new(&file, data.len() as u64).unwrap();
+        let (mut a, mut b) = (vec![0u8; 10], vec![0u8; 5000]);
+        let mut parts = [(1u64, &mut a[..]), (4000u64, &mut b[..])];
+        map.copy_parts(100, &mut parts).unwrap();
+        assert_eq!(a, data[101..111]);
+        assert_eq!(b, data[4100..9100]);
+        let mut past = [(0u64, &mut a[..])];
+        let e = map
+            .copy_parts(data.len() as u64 - 5, &mut past)
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    #[test]
+    fn a_file_cut_short_under_the_mapping_is_a_short_read_not_a_crash() {
+        let data = vec![5u8; 64 << 10];
+        let (f, file) = file_of(&data);
+        let map = MappedFile::new(&file, data.len() as u64).unwrap();
+        f.as_file().set_len(1000).unwrap();
+        let mut got = [9u8; 16];
+        let e = map
+            .copy_parts(40_000, &mut [(0, &mut got[..])])
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert_eq!(got, [0u8; 16]);
+        // Every later copy out of it is refused too, even of bytes the file still has.
+        let e = map.copy_parts(0, &mut [(0, &mut got[..])]).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}
