@@ -72,6 +72,23 @@ fn rank_targets(
     }
 }
 
+/// A random checkpoint saved with blocks of `block` bytes and `world` ranks' random targets in it.
+fn random_job(
+    seed: u64,
+    block: u64,
+    world: usize,
+) -> (Seeded, tempfile::TempDir, Manifest, Vec<Rank>) {
+    let mut rng = Seeded::new(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let tensors = random_tensors(&mut rng);
+    save(dir.path(), &tensors, 2, block, 2);
+    let m = Manifest::open(dir.path()).unwrap();
+    let ranks = (0..world)
+        .map(|_| rank_targets(&mut rng, &m, &tensors, dir.path()))
+        .collect();
+    (rng, dir, m, ranks)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
@@ -82,12 +99,7 @@ proptest! {
         world in 1usize..=5,
         budget in prop::sample::select(vec![1u64, 7, 64, 500, 1 << 20]),
     ) {
-        let mut rng = Seeded::new(seed);
-        let dir = tempfile::tempdir().unwrap();
-        let tensors = random_tensors(&mut rng);
-        save(dir.path(), &tensors, 2, block, 2);
-        let m = Manifest::open(dir.path()).unwrap();
-        let ranks: Vec<Rank> = (0..world).map(|_| rank_targets(&mut rng, &m, &tensors, dir.path())).collect();
+        let (_, dir, m, ranks) = random_job(seed, block, world);
 
         // Needs travel in their wire form, as between processes.
         let needs: Vec<Vec<coop::Need>> = ranks
@@ -392,10 +404,6 @@ proptest! {
             .collect();
         prop_assert_eq!(got, runs);
     }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
 
     /// Read directly with checks delegated: on each host every block its ranks need is checked by
     /// exactly one of them (one that needs it whole where there is one), each rank ends with the
@@ -408,12 +416,7 @@ proptest! {
         world in 1usize..=5,
         host_count in 1u64..=3,
     ) {
-        let mut rng = Seeded::new(seed);
-        let dir = tempfile::tempdir().unwrap();
-        let tensors = random_tensors(&mut rng);
-        save(dir.path(), &tensors, 2, block, 2);
-        let m = Manifest::open(dir.path()).unwrap();
-        let ranks: Vec<Rank> = (0..world).map(|_| rank_targets(&mut rng, &m, &tensors, dir.path())).collect();
+        let (mut rng, dir, m, ranks) = random_job(seed, block, world);
         let hosts: Vec<u64> = (0..world).map(|_| rng.below(host_count)).collect();
         let needs: Vec<Vec<coop::Need>> = ranks.iter().map(|r| coop::needs(&m, &r.copies)).collect();
         let trusted: Vec<Vec<(u64, u64)>> = coop::delegate_checks(&m, &needs, &hosts)
