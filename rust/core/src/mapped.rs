@@ -169,6 +169,30 @@ impl MappedFile {
         Some(MappedFile { base, len, slot })
     }
 
+    /// Whether every page of bytes `at..at + len` is in the page cache. A page that is not would
+    /// be read from storage by a fault, a page or a few at a time, where a read of the range asks
+    /// for it whole.
+    pub(crate) fn resident(&self, at: u64, len: u64) -> bool {
+        let page = page_size();
+        let (Ok(start), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else {
+            return false;
+        };
+        let first = start / page * page;
+        let Some(end) = start.checked_add(len).filter(|&e| e <= self.len) else {
+            return false;
+        };
+        let mut vec = vec![0u8; (end - first).div_ceil(page)];
+        // SAFETY: a page-aligned range inside our mapping, and a vector of one byte per page.
+        let r = unsafe {
+            libc::mincore(
+                (self.base as *mut u8).add(first) as *mut libc::c_void,
+                end - first,
+                vec.as_mut_ptr(),
+            )
+        };
+        r == 0 && vec.iter().all(|v| v & 1 == 1)
+    }
+
     /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file.
     /// `UnexpectedEof` where the file was cut short under the mapping (here or in another copy
     /// out of it: the bytes may then be zeros).
@@ -239,6 +263,16 @@ mod tests {
             .copy_parts(data.len() as u64 - 5, &mut past)
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        // Just written: in the page cache (the range past the end is not a range of the file).
+        assert!(map.resident(100, 9000));
+        assert!(!map.resident(100, data.len() as u64));
+        // Dropped from the cache (as far as the kernel will), then faulted back in by a copy.
+        // SAFETY: plain advice on an open file.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let dropped = !map.resident(0, 4096);
+        let mut c = [0u8; 4];
+        map.copy_parts(0, &mut [(0, &mut c[..])]).unwrap();
+        assert!(!dropped || map.resident(0, 4096));
     }
 
     #[test]

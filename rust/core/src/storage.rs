@@ -77,8 +77,9 @@ pub trait Object: Send + Sync {
         None
     }
     /// Copies `parts` (`(offset from at, destination)`) out of bytes `at..` without reading the
-    /// bytes between them (a local file's mapping), or `None` where this object cannot (the
-    /// caller then reads the range). A short object is `UnexpectedEof`.
+    /// bytes between them (a local file's mapping, where its pages are in the page cache), or
+    /// `None` where this object cannot or should not (the caller then reads the range). A short
+    /// object is `UnexpectedEof`.
     fn copy_parts(&self, _at: u64, _parts: &mut [(u64, &mut [u8])]) -> Option<std::io::Result<()>> {
         None
     }
@@ -417,6 +418,12 @@ impl Object for LocalObject {
             .map
             .get_or_init(|| crate::mapped::MappedFile::new(&self.file, self.size))
             .as_ref()?;
+        // From a cold cache, faults would read the file a few pages at a time: read it instead.
+        let lo = parts.iter().map(|p| p.0).min()?;
+        let hi = parts.iter().map(|p| p.0 + p.1.len() as u64).max()?;
+        if !map.resident(at + lo, hi - lo) {
+            return None;
+        }
         let done = map.copy_parts(at, parts);
         if done.is_ok() {
             self.counters
