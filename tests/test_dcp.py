@@ -407,6 +407,24 @@ def test_native_save_loads_through_the_dcp_door(tmp_path):
         assert result == {"native": [], "dcp-default": [], "dcp-fast": []}
 
 
+def verify_unlike_rank_0_worker(path: str) -> None:
+    sd = _state(LOAD_LAYOUT, False)
+    reader = ChunkStoreReader(path, verify=dist.get_rank() == 0)
+    dcp.load(sd, storage_reader=reader, planner=FastLoadPlanner())
+
+
+def test_the_dcp_door_refuses_ranks_that_differ_on_verify(tmp_path):
+    # A rank that does not verify would vouch for unchecked bytes: as a block's reader (read once)
+    # or its checker for the host (read directly). `olmo_chunks.load` compares `verify` in its
+    # first step; the DCP door compares it where the ranks say what they need.
+    path = str(tmp_path / "ckpt")
+    world.run(4, native_save_worker, path)
+    with pytest.raises(world.WorldError) as err:
+        world.run(3, verify_unlike_rank_0_worker, path)
+    messages = [f.message for f in err.value.failures]
+    assert len(messages) == 3 and all("rank 1 passed verify=False, rank 0 verify=True" in m for m in messages), messages
+
+
 def test_cli_inspects_and_verifies_both_formats(tmp_path, capsys):
     a, b = str(tmp_path / "dcp"), str(tmp_path / "native")
     world.run(4, dcp_save_worker, a)

@@ -307,11 +307,11 @@ class _ReadOnce:
         self.plans: list[bytes] | None = None  # rank 0's: each rank's plan, or what it trusts (`decide`)
         self.hosts: list[int] | None = None
 
-    def describe(self) -> tuple[bool, list[str], bytes | None, int]:
+    def describe(self) -> tuple[bool, list[str], bytes | None, int, bool]:
         n, cuda = self.load.needs()
         self.needs.append(n)
         known = [d for d in ("cpu", "cuda") if (self.pg, d) in _EXCHANGE]
-        return cuda, known, n if len(n) <= self.inline else None, host_id()
+        return cuda, known, n if len(n) <= self.inline else None, host_id(), self.load.verify
 
     def shared(self, needs: list[bytes]) -> bool:
         """Whether reading once may pay: some block is needed by two ranks (or it is forced)."""
@@ -343,9 +343,12 @@ class _ReadOnce:
             why += ("; " if why else "") + DELEGATED
         return "direct", choice.direct_s, choice.once_s, why, self.plans is not None
 
-    def first(self, got: list[tuple[bool, list[str], bytes | None, int]]) -> list[Any]:
+    def first(self, got: list[tuple[bool, list[str], bytes | None, int, bool]]) -> list[Any]:
         group = self.group
-        self.hosts = [h for *_, h in got]
+        # A rank that does not verify would hand (or, as a block's checker, vouch for) unchecked
+        # bytes to one that does (`checkpoint.load` compares it sooner; the DCP door here).
+        group.check_same([{"verify": g[4]} for g in got], "reading a checkpoint")
+        self.hosts = [g[3] for g in got]
         device = _exchange_device(group, any(g[0] for g in got), all(g[0] for g in got))
         probe = self.auto and group.size > 1 and not all(device in g[1] for g in got)
         inline = all(g[2] is not None for g in got)
