@@ -14,8 +14,9 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Mappings in use at once (one per I/O worker); a copy that finds none free is not mapped.
-const SLOTS: usize = 64;
+/// Mappings in use at once (one per data file a read has open); a file that finds no slot free
+/// is read instead of mapped.
+const SLOTS: usize = 1024;
 
 struct Slot {
     busy: AtomicBool,
