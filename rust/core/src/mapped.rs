@@ -40,15 +40,13 @@ struct Previous(std::cell::UnsafeCell<Option<libc::sigaction>>);
 unsafe impl Sync for Previous {}
 static PREVIOUS: Previous = Previous(std::cell::UnsafeCell::new(None));
 static INSTALL: Mutex<()> = Mutex::new(());
+/// The page size, read before the handler is installed (it reads it: no libc call in there).
+static PAGE: AtomicUsize = AtomicUsize::new(4096);
 
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if n > 0 {
-        n as usize
-    } else {
-        4096
-    }
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
 }
 
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
@@ -60,7 +58,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             s.end.load(Ordering::Acquire),
         );
         if start <= addr && addr < end {
-            let page = addr & !(page_size() - 1);
+            let page = addr & !(PAGE.load(Ordering::Relaxed) - 1);
             // Marked first: a thread that reads the zero pages then sees the mark.
             s.faulted.store(true, Ordering::Release);
             // SAFETY: replaces pages of our own registered mapping (async-signal-safe syscall).
@@ -94,10 +92,11 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             }
         },
         _ => unsafe {
-            // The default action: back to it, and the access faults again, fatally.
+            // The default action: death by the signal (a fault or one sent by kill alike).
             let mut dfl: libc::sigaction = std::mem::zeroed();
             dfl.sa_sigaction = libc::SIG_DFL;
             libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+            libc::raise(libc::SIGBUS);
         },
     }
 }
@@ -115,6 +114,7 @@ fn ensure_handler() -> bool {
         if cur.sa_sigaction == on_sigbus as *const () as usize {
             return true;
         }
+        PAGE.store(page_size(), Ordering::Relaxed);
         *PREVIOUS.0.get() = Some(cur);
         let mut ours: libc::sigaction = std::mem::zeroed();
         ours.sa_sigaction = on_sigbus as *const () as usize;
