@@ -500,3 +500,23 @@ def test_a_missing_checkpoint_is_the_same_error_on_every_rank(tmp_path):
     with pytest.raises(world.WorldError) as err:
         world.run(2, load_as, str(tmp_path / "nothing"), "R", "once")
     assert [f.type_name for f in err.value.failures] == ["CheckpointNotFoundError"] * 2
+
+
+def test_ranks_share_a_page_cache_only_through_the_same_directory(tmp_path, monkeypatch):
+    # Containers on one machine share its kernel; each may still hold its own copy of a checkpoint
+    # at one path. Only ranks that see the same directory (device and inode) share checks.
+    import shutil
+
+    from olmo_chunks import _dist
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "x").write_bytes(b"1")
+    shutil.copytree(a, b)
+    (tmp_path / "link").symlink_to(a)
+    assert fill.page_cache(str(a)) == fill.page_cache(str(tmp_path / "link"))
+    assert fill.page_cache(str(a)) != fill.page_cache(str(b))
+    here = fill.page_cache(str(a))
+    monkeypatch.setenv("OLMO_CHUNKS_HOST", "elsewhere")
+    monkeypatch.setattr(_dist, "_HOST", None)  # restored after the test
+    assert fill.page_cache(str(a)) != here

@@ -20,6 +20,7 @@ When no block is needed by two ranks, every rank reads its own, as with `read="d
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -311,7 +312,7 @@ class _ReadOnce:
         n, cuda = self.load.needs()
         self.needs.append(n)
         known = [d for d in ("cpu", "cuda") if (self.pg, d) in _EXCHANGE]
-        return cuda, known, n if len(n) <= self.inline else None, host_id(), self.load.verify
+        return cuda, known, n if len(n) <= self.inline else None, page_cache(self.source), self.load.verify
 
     def shared(self, needs: list[bytes]) -> bool:
         """Whether reading once may pay: some block is needed by two ranks (or it is forced)."""
@@ -391,6 +392,21 @@ class _ReadOnce:
         if once_s is not None:  # every rank learns its own; rank 0's is the one that decides
             rates.learn_once((self.pg, device), time.perf_counter() - t0, once_s)
         return outcome
+
+
+def page_cache(source: str) -> int:
+    """A 63-bit name of the page cache through which this rank reads the checkpoint at `source`:
+    its host's kernel (`host_id`) and the checkpoint's directory as this rank's filesystem sees it
+    (device and inode). Ranks of one machine that see different copies at one path (containers,
+    each with its own) do not share one; ranks that see one directory through different mounts
+    do."""
+    try:
+        st = os.stat(source)
+        where = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        where = "path:" + source
+    name = f"{host_id()}/{where}".encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little") >> 1
 
 
 NOT_SHARED = "no saved block is needed by two ranks: each reads its own"
