@@ -14,8 +14,8 @@ from . import _core
 from .errors import InvalidArgumentError
 from .layout import Piece, dtensor_pieces
 
-__all__ = ["ChunkItem", "ChunkSource", "Region", "TensorShard", "describe", "dtype_name", "is_dense", "region_numel",
-           "torch_dtype"]
+__all__ = ["ChunkItem", "ChunkSource", "Region", "TensorShard", "describe", "dtype_name", "is_chunk_source",
+           "is_dense", "region_numel", "torch_dtype"]
 
 
 # A chunk's region of its tensor.
@@ -76,6 +76,12 @@ class ChunkSource(Protocol):
     def tensor_shard(self) -> TensorShard: ...
 
 
+def is_chunk_source(value: Any) -> bool:
+    """`isinstance(value, ChunkSource)`, without the protocol check's cost (3.6 us a call against
+    0.08, twice per expert view in every save and load)."""
+    return callable(getattr(value, "tensor_shard", None))
+
+
 def describe(key: str, value: Any) -> TensorShard:
     """The `TensorShard` of a state-dict value: a DTensor, a plain tensor (the whole global
     tensor, the same on every rank that has it) or a `ChunkSource`."""
@@ -89,8 +95,8 @@ def describe(key: str, value: Any) -> TensorShard:
         value = _plain(key, value)
         shape = tuple(value.shape)
         return TensorShard(value.dtype, shape, value, [Piece((0,) * len(shape), shape, (0,) * len(shape))])
-    if isinstance(value, ChunkSource):
-        return value.tensor_shard()
+    if is_chunk_source(value):
+        return value.tensor_shard()  # type: ignore[no-any-return]
     raise InvalidArgumentError(f"{key!r}: {type(value).__name__} is not a tensor")
 
 

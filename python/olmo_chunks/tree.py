@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidArgumentError
-from .shards import ChunkSource
+from .shards import is_chunk_source
 from .values import MAX_DEPTH
 
 __all__ = ["Leaf", "flatten"]
@@ -35,7 +35,7 @@ class Leaf:
 
 
 def _is_tensorish(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, ChunkSource))
+    return isinstance(v, torch.Tensor) or is_chunk_source(v)
 
 
 def _has_tensor(v: Any, key: str = "", depth: int = 0) -> bool:
