@@ -445,14 +445,9 @@ def load_delegated(path: str, layout: str, own_host: bool):
     """An auto load from fast storage (so read directly) on this world, every rank on this machine
     or (`own_host`) each claiming a host of its own; returns (exact, read mode, why, bytes this
     rank read from storage)."""
-    import os
-
-    from olmo_chunks import _dist
-
     os.environ["OLMO_CHUNKS_STORAGE_GBPS"] = "1000"
     if own_host:
         os.environ["OLMO_CHUNKS_HOST"] = f"host-{dist.get_rank()}"
-    _dist._HOST = None
     try:
         mesh = world.mesh((dist.get_world_size(),))
         state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
@@ -465,7 +460,6 @@ def load_delegated(path: str, layout: str, own_host: bool):
     finally:
         os.environ.pop("OLMO_CHUNKS_STORAGE_GBPS", None)
         os.environ.pop("OLMO_CHUNKS_HOST", None)
-        _dist._HOST = None
 
 
 def test_a_block_the_ranks_of_a_host_share_is_checked_by_one_of_them(saved, tmp_path):
@@ -507,8 +501,6 @@ def test_ranks_share_a_page_cache_only_through_the_same_directory(tmp_path, monk
     # at one path. Only ranks that see the same directory (device and inode) share checks.
     import shutil
 
-    from olmo_chunks import _dist
-
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     (a / "x").write_bytes(b"1")
@@ -518,5 +510,4 @@ def test_ranks_share_a_page_cache_only_through_the_same_directory(tmp_path, monk
     assert fill.page_cache(str(a)) != fill.page_cache(str(b))
     here = fill.page_cache(str(a))
     monkeypatch.setenv("OLMO_CHUNKS_HOST", "elsewhere")
-    monkeypatch.setattr(_dist, "_HOST", None)  # restored after the test
     assert fill.page_cache(str(a)) != here

@@ -26,11 +26,9 @@ moving O(N) bytes; see benches/coord_scale.py.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import pickle
-import socket
 import struct
 import threading
 import time
@@ -46,7 +44,7 @@ from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "host_id", "rank_and_size"]
+__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "rank_and_size"]
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
@@ -279,26 +277,6 @@ class _Watch:
             r = next((want[gr] for gr in want if gr not in self.started), want[next(iter(want))])
             raise RankFailedError(
                 f"rank {r} did not reach {what} within the arrival timeout ({g.arrival_timeout:g} s)", rank=r)
-
-
-def host_id() -> int:
-    """A 63-bit name of this process's host, equal for the ranks that read files through one page
-    cache: its kernel's boot id (containers on one machine share it), else its host name.
-    `OLMO_CHUNKS_HOST` names it instead (ranks that must not count as sharing a page cache)."""
-    global _HOST
-    if _HOST is None:
-        name = os.environ.get("OLMO_CHUNKS_HOST")
-        if name is None:
-            try:
-                with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-                    name = "boot:" + f.read().strip()
-            except OSError:
-                name = "host:" + socket.gethostname()
-        _HOST = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
-    return _HOST
-
-
-_HOST: int | None = None
 
 
 # -- the group ----------------------------------------------------------------------------------

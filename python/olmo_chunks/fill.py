@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core, rates
-from ._dist import INLINE_BYTES, Group, host_id
+from ._dist import INLINE_BYTES, Group
 from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
 from .location import is_url
 from .shards import is_dense
@@ -396,16 +397,24 @@ class _ReadOnce:
 
 def page_cache(source: str) -> int:
     """A 63-bit name of the page cache through which this rank reads the checkpoint at `source`:
-    its host's kernel (`host_id`) and the checkpoint's directory as this rank's filesystem sees it
-    (device and inode). Ranks of one machine that see different copies at one path (containers,
-    each with its own) do not share one; ranks that see one directory through different mounts
-    do."""
+    its kernel (the boot id, which containers on one machine share; else the host name;
+    `OLMO_CHUNKS_HOST` names it instead) and the checkpoint's directory as this rank's filesystem
+    sees it (device and inode). Ranks of one machine that see different copies at one path
+    (containers, each with its own) do not share one; ranks that see one directory through
+    different mounts do."""
+    kernel = os.environ.get("OLMO_CHUNKS_HOST")
+    if kernel is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                kernel = "boot:" + f.read().strip()
+        except OSError:
+            kernel = "host:" + socket.gethostname()
     try:
         st = os.stat(source)
         where = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         where = "path:" + source
-    name = f"{host_id()}/{where}".encode()
+    name = f"{kernel}/{where}".encode()
     return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little") >> 1
 
 

@@ -275,27 +275,20 @@ pub fn delegate_checks(m: &Manifest, needs: &[Vec<Need>], hosts: &[u64]) -> Vec<
         if ranks.len() > 1 {
             let any_whole = ranks.iter().any(|&(_, n)| n >= whole);
             let can = |&&(_, n): &&(usize, u64)| !any_whole || n >= whole;
-            let least = ranks
+            let (least, _) = *ranks
                 .iter()
                 .filter(can)
-                .map(|&(r, _)| load[r])
-                .min()
+                .min_by_key(|&&(r, _)| (load[r], r))
                 .unwrap();
-            let keep = last.get(&(chunk, host)).filter(|&&(b, r)| {
-                b + 1 == block
-                    && ranks.iter().filter(can).any(|&(q, _)| q == r)
-                    && load[r] <= least + crate::io::MAX_UNIT
-            });
-            let checker = match keep {
-                Some(&(_, r)) => r,
-                None => {
-                    ranks
-                        .iter()
-                        .filter(can)
-                        .min_by_key(|&&(r, _)| (load[r], r))
-                        .unwrap()
-                        .0
+            let checker = match last.get(&(chunk, host)) {
+                Some(&(b, r))
+                    if b + 1 == block
+                        && ranks.iter().filter(can).any(|&(q, _)| q == r)
+                        && load[r] <= load[least] + crate::io::MAX_UNIT =>
+                {
+                    r
                 }
+                _ => least,
             };
             last.insert((chunk, host), (block, checker));
             for &(r, _) in ranks.iter().filter(|&&(r, _)| r != checker) {
