@@ -1,7 +1,9 @@
 """GPU check for a lent GPU machine (one process, one GPU, well under 5 minutes).
 
 On the GPU it measures, in one run:
-1. host<->device copy bandwidth (pinned host memory, best of 3): the ceiling for staging;
+1. host<->device copy bandwidth (pinned host memory, best of 3): the ceiling for staging; the
+   checkpoint lives in /dev/shm where it has room, and the host's raw read of its files (page cache
+   into one host buffer, best of 3) is the ceiling the load's reads are measured against;
 2. `olmo_chunks.save` of FP32 main weights + both Adam moments held on the GPU (dense tensors and
    expert flat views), staged through pinned host buffers: GB/s, and GPU memory allocated /
    reserved before, at peak during, and after (saving must not grow GPU memory);
@@ -66,6 +68,42 @@ def copy_bandwidth(device: str, nbytes: int, reps: int = 3) -> dict[str, float]:
     return out
 
 
+def _memory_dir(nbytes: int) -> str | None:
+    """/dev/shm where it has room for the run's two checkpoints (the save is then measured against
+    the device->host copy, not a disk), else the default temp dir."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 3 * nbytes:
+        return shm
+    return None
+
+
+def raw_read_gbps(path: str, reps: int = 3) -> float:
+    """GB/s of reading every file under `path` into one preallocated host buffer (best of `reps`,
+    the page cache warm): the host's own limit for the load's reads."""
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+    sizes = [os.path.getsize(f) for f in files]
+    buf = memoryview(bytearray(max(sizes)))
+
+    def read_all() -> float:
+        t0 = time.perf_counter()
+        for f, n in zip(files, sizes, strict=True):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [buf[got:n]], got)
+                    if k <= 0:
+                        raise OSError(f"{f}: short read")
+                    got += k
+            finally:
+                os.close(fd)
+        return time.perf_counter() - t0
+
+    read_all()  # warms the page cache
+    best = min(read_all() for _ in range(reps))
+    return sum(sizes) / best / 1e9
+
+
 def spec(state_bytes: int) -> tuple[int, list[tuple[str, tuple[int, ...], bool]]]:
     """(hidden size, [(key, shape, is_expert)]) of an OLMo-like MoE state of about `state_bytes`:
     2 layers of attention + `NUM_EXPERTS` experts, main weights and both Adam moments."""
@@ -111,11 +149,11 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:  # noqa: PLR09
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    root = args.dir or tempfile.mkdtemp(prefix="olmo-chunks-gpucheck-")
-    path = os.path.join(root, "ck")
     state_bytes = int(args.gib * 2**30)
     d, tensors = spec(state_bytes)
     total = sum(4 * math.prod(s) for _, s, _ in tensors)
+    root = args.dir or tempfile.mkdtemp(prefix="olmo-chunks-gpucheck-", dir=_memory_dir(total))
+    path = os.path.join(root, "ck")
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run; memory is RSS)",
         "torch": torch.__version__,
@@ -123,6 +161,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:  # noqa: PLR09
         "hidden": d,
         "shards": args.shards,
         "staging_bytes": oc.checkpoint.STAGING_BYTES,
+        "dir": root,
     }
     report["copy"] = copy_bandwidth(device, min(total, (1 << 30) if device == "cuda" else (256 << 20)))
 
@@ -142,6 +181,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:  # noqa: PLR09
         seconds = time.perf_counter() - t0
     report["save"] = {**s.report(), "seconds": round(seconds, 3), "gbps": total / seconds / 1e9,
                       "of_d2h": total / seconds / 1e9 / report["copy"]["d2h_gbps"]}
+    report["raw_read_gbps"] = raw_read_gbps(path)
 
     # Async save: the stall is the device-to-host copy into the reused pinned pool; the source is
     # overwritten right after the call, the checkpoint must hold the values at the call.
@@ -212,7 +252,8 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:  # noqa: PLR09
             exact &= bool(torch.equal(held[key], want))
             expected[j][key] = want
     report["load"] = {**s.report(), "seconds": round(seconds, 3), "gbps": total / seconds / 1e9,
-                      "of_h2d": total / seconds / 1e9 / report["copy"]["h2d_gbps"], "exact": exact}
+                      "of_h2d": total / seconds / 1e9 / report["copy"]["h2d_gbps"],
+                      "of_raw_read": total / seconds / 1e9 / report["raw_read_gbps"], "exact": exact}
 
     # The same load through the read-once rounds (forced: one process shares nothing): blocks read
     # into pinned host buffers, assembled into pinned stages, copied to the GPU round by round.

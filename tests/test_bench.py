@@ -164,6 +164,8 @@ def test_gpu_check_cpu_dry_run(tmp_path: Path) -> None:
         assert rep[step]["allocated_sampled_max_mib"] >= rep[step]["allocated_start_mib"]
     assert rep["copy"]["h2d_gbps"] > 0 and rep["copy"]["d2h_gbps"] > 0
     assert rep["save"]["of_d2h"] > 0 and rep["load"]["of_h2d"] > 0
+    assert rep["raw_read_gbps"] > 0 and rep["load"]["of_raw_read"] > 0
+    assert not os.path.exists(rep["dir"])  # its temp dir is removed
 
 
 def test_gpu_check_skips_cleanly_without_cuda(monkeypatch: pytest.MonkeyPatch,
