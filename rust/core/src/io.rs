@@ -844,8 +844,14 @@ fn make_units<'a>(
                 Some(last) if a <= last.1 => last.1 = last.1.max(b),
                 _ => segs.push((a, b)),
             }
-            cuts.push(c.src.next_multiple_of(bs).min(clen));
-            cuts.push((c.src + c.len) / bs * bs);
+            // Only a copy holding a whole block has an interior to keep in one place.
+            let (first, last) = (
+                c.src.next_multiple_of(bs).min(clen),
+                (c.src + c.len) / bs * bs,
+            );
+            if first < last {
+                cuts.extend([first, last]);
+            }
         }
         // And where trusted blocks start and end: a unit is checked whole or not at all.
         for &(s, e) in &segs {
