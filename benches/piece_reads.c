@@ -3,17 +3,21 @@
  *
  *   gcc -O2 -msse4.2 -o /tmp/piece_reads benches/piece_reads.c
  *   head -c 128M /dev/urandom > /tmp/dense.bin && cat /tmp/dense.bin > /dev/null
- *   for m in 0 1 2 3 4 5; do /tmp/piece_reads /tmp/dense.bin $m 4 2944; done
+ *   for m in 0 1 2 3 4 5 6 7; do /tmp/piece_reads /tmp/dense.bin $m 4 2944; done
  *
  * Modes (each process, 5 passes, milliseconds per pass of the slowest process):
  *   0  roofline: its 1/P of the file, contiguous, by pread
- *   1  what olmo-chunks does: every 256 KiB window by pread into one reused buffer, its pieces
- *      copied out of it
+ *   1  what olmo-chunks did before checks were delegated: every 256 KiB window by pread into one
+ *      reused buffer, its pieces copied out of it
  *   2  the pieces copied straight out of a read-only mapping of the file
  *   3  as 1, with the CRC-32C of every window (the whole block must be read to check it)
  *   4  as 2, with the CRC-32C of its pieces only (what verifying by parts would compute)
  *   5  as 2, with the CRC-32C of every P-th window, read whole from the mapping (one rank checks
  *      each block for the host, the others trust it: `core::coop::delegate_checks`)
+ *   6  what olmo-chunks does since: the windows this process checks (every P-th) by pread into
+ *      one reused buffer, checked and its pieces copied out; the other windows' pieces copied
+ *      straight out of a read-only mapping
+ *   7  as 6, the checked windows checked and copied from the mapping too (no pread at all)
  * The CRC here is the serial SSE4.2 instruction, slower than the product's crc-fast.
  */
 #define _GNU_SOURCE
@@ -73,6 +77,24 @@ static void one(int fd, size_t size, int mode, int p, int r, size_t row) {
                     if (lo < hi) memcpy(dst + q * piece + (lo - q * row - r * piece), win + (lo - o), hi - lo);
                 }
             }
+        } else if (mode == 6 || mode == 7) {
+            unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+            if (m == MAP_FAILED) { perror("mmap"); exit(1); }
+            for (size_t o = 0; o < size; o += W) {
+                size_t n = size - o < W ? size - o : W;
+                const unsigned char *src = m + o;
+                if ((o / W) % p == (size_t)r) {
+                    if (mode == 6) { pread_all(fd, win, n, o); src = win; }
+                    c = crc(c, src, n);
+                }
+                for (size_t q = o / row; q * row < o + n; q++) {
+                    size_t lo = q * row + r * piece, hi = lo + piece;
+                    if (lo < o) lo = o;
+                    if (hi > o + n) hi = o + n;
+                    if (lo < hi) memcpy(dst + q * piece + (lo - q * row - r * piece), src + (lo - o), hi - lo);
+                }
+            }
+            munmap(m, size);
         } else {
             unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
             if (m == MAP_FAILED) { perror("mmap"); exit(1); }
