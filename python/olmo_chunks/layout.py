@@ -16,6 +16,8 @@ from torch.distributed.tensor.placement_types import (
     _StridedShard,
 )
 
+from .errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -79,7 +81,9 @@ def spec_pieces(
     Torch 2.10 keeps `_StridedShard` placements and records beside them the shard_order it decodes
     from their split factors: two descriptions of one layout. Both are computed and must agree at
     this coordinate (whichever torch used, these pieces are then the ones it holds); where they do
-    not, the spec is ambiguous and refused.
+    not, the spec is ambiguous and refused (`InvalidArgumentError`). They can disagree on a spec
+    torch made itself: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh, where torch
+    2.10's decoded order (1, 0) puts row 8 on coordinate (3, 1) and its `distribute_tensor` on (3, 0).
     """
     left_to_right = list(range(len(placements)))
     if shard_order is None:
@@ -95,7 +99,8 @@ def spec_pieces(
     plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
     ordered = _pieces(global_shape, mesh_shape, coordinate, plain, order)
     if ordered != _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right):
-        raise ValueError(f"ambiguous layout: _StridedShard in {placements} with shard_order {shard_order}")
+        raise InvalidArgumentError(
+            f"ambiguous layout: _StridedShard in {placements} with shard_order {shard_order}")
     return ordered
 
 
