@@ -83,7 +83,8 @@ def spec_pieces(
     this coordinate (whichever torch used, these pieces are then the ones it holds); where they do
     not, the spec is ambiguous and refused (`InvalidArgumentError`). They can disagree on a spec
     torch made itself: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh, where torch
-    2.10's decoded order (1, 0) puts row 8 on coordinate (3, 1) and its `distribute_tensor` on (3, 0).
+    2.10's decoded order (1, 0) puts row 8 on coordinate (3, 1) and its `distribute_tensor` on (3, 0),
+    while its `redistribute` into that spec puts it on (3, 1): one spec, two layouts of the data.
     """
     left_to_right = list(range(len(placements)))
     if shard_order is None:
