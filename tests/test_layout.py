@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.layout import Piece, _pieces, dtensor_pieces, shard_pieces
+from olmo_chunks.layout import Piece, _decoded, _pieces, dtensor_pieces, shard_pieces
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
@@ -185,11 +185,9 @@ def distribute_and_check(shape, mesh_shape, placement_specs):
         # Torch's own reading of a _StridedShard spec can contradict the shard_order it derives from
         # it on uneven shapes: refused where the two give other rows, and torch's data is one of them.
         assert str(e).startswith("ambiguous layout: _StridedShard in"), e
-        order = [d for entry in dt._spec.shard_order for d in entry.mesh_dims]
-        order += [d for d in range(len(placements)) if d not in order]
-        plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in dt.placements)
-        readings = [_pieces(shape, mesh_shape, mesh.get_coordinate(), dt.placements, range(len(placements))),
-                    _pieces(shape, mesh_shape, mesh.get_coordinate(), plain, order)]
+        coordinate = mesh.get_coordinate()
+        readings = [shard_pieces(shape, mesh_shape, coordinate, dt.placements),
+                    _pieces(shape, mesh_shape, coordinate, *_decoded(dt.placements, dt._spec.shard_order))]
         assert readings[0] != readings[1]
         held = [sorted(v for p in r for v in full[box(p.global_offsets, p.sizes)].flatten().tolist()) for r in readings]
         assert sorted(local.flatten().tolist()) in held, (held, local)  # the elements are unique

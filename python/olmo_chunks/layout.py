@@ -92,17 +92,22 @@ def spec_pieces(
     entries = [tuple(entry.mesh_dims) for entry in shard_order]  # type: ignore[attr-defined]
     if all(list(mesh_dims) == sorted(mesh_dims) for mesh_dims in entries):
         return _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right)
-    # Shardings of different tensor dims commute, so one flat order serves them all.
-    order = [mesh_dim for mesh_dims in entries for mesh_dim in mesh_dims]
-    order += [d for d in left_to_right if d not in order]
+    ordered = _pieces(global_shape, mesh_shape, coordinate, *_decoded(placements, shard_order))
     if not any(isinstance(p, _StridedShard) for p in placements):
-        return _pieces(global_shape, mesh_shape, coordinate, placements, order)
-    plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
-    ordered = _pieces(global_shape, mesh_shape, coordinate, plain, order)
+        return ordered
     if ordered != _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right):
         raise InvalidArgumentError(
             f"ambiguous layout: _StridedShard in {placements} with shard_order {shard_order}")
     return ordered
+
+
+def _decoded(placements: tuple[Placement, ...], shard_order: object) -> tuple[tuple[Placement, ...], list[int]]:
+    """The placements as plain shards (a `_StridedShard` as the `Shard` it strides) and the order of
+    mesh dims in which `shard_order` applies them: shardings of different tensor dims commute, so
+    one flat order serves them all."""
+    order = [d for entry in shard_order for d in entry.mesh_dims]  # type: ignore[attr-defined]
+    order += [d for d in range(len(placements)) if d not in order]
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements), order
 
 
 def _pieces(
