@@ -462,27 +462,29 @@ def load_delegated(path: str, layout: str, own_host: bool):
         os.environ.pop("OLMO_CHUNKS_HOST", None)
 
 
-def test_a_block_the_ranks_of_a_host_share_is_checked_by_one_of_them(saved, tmp_path):
+def test_a_block_ranks_need_in_part_is_checked_once(saved, tmp_path):
     # S0 -> S1 on 4 ranks, read directly: each rank needs a quarter of every row of every 1 MiB
-    # block. Each rank used to read every block whole to check it (4x the checkpoint in all). Now
-    # one rank of the host reads and checks each block, the other three copy their quarter.
-    same = world.run(4, load_delegated, saved["S0"], "S1", False)
-    for exact, read, why, _ in same:
-        assert exact and read == "direct" and fill.DELEGATED in why, why
+    # block. Each rank used to read every block whole to check it (4x the checkpoint in all), then
+    # one rank of the host did (7/4). Now each folds the checksum of its own quarter as it copies
+    # it and the last step checks the shares: the checkpoint is read once, whatever the hosts.
     manifest = os.path.getsize(os.path.join(saved["S0"], _core.MANIFEST_NAME))  # rank 0 reads it
-    assert sum(n for *_, n in same) == CHECKPOINT * 7 // 4 + manifest
-    # Ranks on different hosts read through different page caches: each checks what it reads.
-    apart = world.run(4, load_delegated, saved["S0"], "S1", True)
-    for exact, read, why, _ in apart:
-        assert exact and read == "direct" and fill.DELEGATED not in why, why
-    assert sum(n for *_, n in apart) == CHECKPOINT * 4 + manifest
-    # A flipped byte is caught by the rank that checks its block, and fails every rank.
+    for own_host in (False, True):
+        got = world.run(4, load_delegated, saved["S0"], "S1", own_host)
+        for exact, read, why, _ in got:
+            assert exact and read == "direct" and fill.DELEGATED in why, why
+        assert sum(n for *_, n in got) == CHECKPOINT + manifest
+    # A flipped byte: every read succeeds, the shares do not add up, and the last step names the
+    # block on rank 0 and fails every rank.
     path = str(tmp_path / "corrupt")
     _flip_a_byte(saved["S0"], path)
     with pytest.raises(world.WorldError) as err:
-        world.run(4, load_delegated, path, "S1", False)
+        world.run(4, load_delegated, path, "S1", True)
     kinds = [f.type_name for f in err.value.failures]
-    assert sorted(kinds) == [ChecksumError.__name__] + [RankFailedError.__name__] * 3, kinds
+    assert kinds == [ChecksumError.__name__] + [RankFailedError.__name__] * 3, kinds
+    m = _core.Manifest.open(path)
+    first = m.chunks(0)[0]
+    assert f"{m.files[first.file].path}" in err.value.failures[0].message
+    assert f"file bytes {first.offset}..{first.offset + (1 << 20)}" in err.value.failures[0].message, err.value
 
 
 def test_read_mode_is_checked(saved):

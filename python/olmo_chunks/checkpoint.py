@@ -410,7 +410,7 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
                 report.loaded.append(key)
 
     # The last step: every rank returns only once every rank has read all it needed.
-    group.agree(plain_values)
+    steps[0].last(group, report.reading, plain_values)
     report.loaded.sort()
     if group.rank == 0:
         _log_summary("loaded", nbytes, "from", path, t0, f"rank 0 of {group.size}")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import _core, rates
 from ._dist import INLINE_BYTES, Group
-from .errors import InvalidArgumentError, MismatchError, OlmoChunksError
+from .errors import ChecksumError, InvalidArgumentError, MismatchError, OlmoChunksError
 from .location import is_url
 from .shards import is_dense
 
@@ -74,20 +74,29 @@ class ReadOutcome:
     predicted_once_s: float | None = None
     why: str = ""
     seconds: float = 0.0
-    # Read directly: this rank's blocks another rank of its host checks (`_core.ReadChoice.trusted`).
+    # Read directly: this rank's blocks another rank of its host checks, or that its ranks check in
+    # part (`_core.ReadChoice.trusted`), and its shares of the latter (`_core.ReadOnce.load`).
     trusted: bytes | None = None
+    shares: tuple[int, bytes] | None = None
 
 
 def fill(manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None,
-         group: Group | None = None, read: str = "auto", source: str = "") -> ReadOutcome:
+         group: Group | None = None, read: str = "auto", source: str = "",
+         then: Callable[[], Any] = lambda: None) -> ReadOutcome:
     """Fills every `Fill.dest` from `manifest`, the checkpoint at `source` (see the module
-    docstring). With a `group` of several ranks every rank calls this together (collective), with
-    the same `read`."""
+    docstring), then runs `then()`. With a `group` of several ranks every rank calls this together
+    (collective), with the same `read`, and `then()` runs in the fill's last step
+    (`FillStep.last`)."""
     step = FillStep(manifest, fills, verify=verify, workers=workers, group=group, read=read, source=source)
     decided = None
     if group is not None and step.once is not None:
         decided = group.exchange(step.local, step.root, scatter=True)[1]
-    return step.run(decided)
+    outcome = step.run(decided)
+    if group is None:
+        then()
+    else:
+        step.last(group, outcome, then)
+    return outcome
 
 
 def _forced() -> bool:
@@ -125,6 +134,34 @@ class FillStep:
         assert self.once is not None, "root of a fill that is not collective"
         return self.once.first(got)
 
+    def last(self, group: Group, outcome: ReadOutcome, fn: Callable[[], T]) -> T:
+        """The load's last step, after `run`: `fn()` on every rank, returning once every rank has
+        read all it needed. Where ranks checked blocks in part (`ReadOutcome.shares`,
+        `_core.ReadChoice.trusted`), rank 0 checks here that their shares add up, from one word
+        per rank; only where they do not does a second step find the block
+        (`_core.check_shares`), failing the load on every rank."""
+        once = self.once
+        if once is None:
+            return group.agree(fn)
+        word = outcome.shares[0] if outcome.shares is not None else None
+
+        def root(got: list[tuple[Any, int | None]]) -> bool:
+            if all(g[1] is None for g in got):
+                return False
+            assert once.plans is not None, "shares of a load whose checks were not delegated"
+            return _core.split_mismatch(self.manifest, list(once.plans), [g[1] for g in got])
+
+        mine, bad = group.exchange(lambda: (fn(), word), root)
+        result: T = mine[0]
+        if bad:
+            def find(got: list[bytes]) -> None:
+                _core.check_shares(self.manifest, got)
+                raise ChecksumError(f"the checksums of blocks that ranks checked in part do not add up in "
+                                    f"{self.source}, though each block's shares do")
+
+            group.exchange(lambda: outcome.shares[1] if outcome.shares is not None else b"", find)
+        return result
+
     def run(self, decided: Any) -> ReadOutcome:
         outcome = ReadOutcome()
         if self.once is not None:
@@ -137,8 +174,8 @@ class FillStep:
         t_read = time.perf_counter()
         planned = self.once.load.ro if self.once is not None else None
         if planned is not None and self.direct:  # its copies are planned already (`needs`)
-            planned.load(self.once.load.storages, verify=verify, workers=workers,  # type: ignore[union-attr]
-                         trusted=outcome.trusted)
+            outcome.shares = planned.load(self.once.load.storages, verify=verify,  # type: ignore[union-attr]
+                                          workers=workers, trusted=outcome.trusted)
         elif self.direct:
             _load_direct(manifest, self.direct, verify, workers)
         for batch in _batches(self.staged):
@@ -419,7 +456,8 @@ def page_cache(source: str) -> int:
 
 
 NOT_SHARED = "no saved block is needed by two ranks: each reads its own"
-DELEGATED = "a block that ranks of one host share is checked by one of them"
+DELEGATED = ("a block that ranks need in part is checked once: by the shares of its bytes each folds, where they "
+             "hold all of it between them, else whole by one rank per host")
 
 # Each group's measured exchange, by process group and device (`_measure_exchange`), each
 # all-to-all of the probe timed `PROBE_TRIES` times.

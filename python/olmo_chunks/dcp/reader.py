@@ -167,8 +167,7 @@ class ChunkStoreReader(StorageReader):
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner, group: Group) -> None:
         fills, resolved = group.agree(lambda: self._resolve(plan, planner))
         fill(self._open(), fills, verify=self.verify, workers=self.workers, group=group, read=self.read,
-             source=self.path or "")
-        group.agree(lambda: self._commit(plan, planner, resolved))
+             source=self.path or "", then=lambda: self._commit(plan, planner, resolved))
 
     def _resolve(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[list[Fill], list[tuple[ReadItem, torch.Tensor]]]:
         """The destinations of `plan`'s tensor reads, from the planner."""

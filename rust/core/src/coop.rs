@@ -14,6 +14,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::checksum;
+use crate::codec::Codec;
 use crate::error::{CoreError, Result};
 use crate::io::{carve, read_from, run_parallel, ByteCopy};
 use crate::manifest::Manifest;
@@ -212,15 +214,18 @@ pub struct Prediction {
 }
 
 /// Per rank, the bytes a direct load reads: every block it needs, whole (so its checksum is
-/// verified), but only its own bytes of a block it trusts (`trusted[r]`, sorted, from
+/// verified), but only its own bytes of a block it trusts (`checks[r].trusted`, from
 /// [`delegate_checks`]). `needs` must be valid for `m` (as [`plan`] checks).
-pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>], trusted: &[Vec<(u64, u64)>]) -> Vec<u64> {
+pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>], checks: &[Checks]) -> Vec<u64> {
     needs
         .iter()
         .enumerate()
         .map(|(r, list)| {
-            let trusts =
-                |b: &(u64, u64)| trusted.get(r).is_some_and(|t| t.binary_search(b).is_ok());
+            let trusts = |b: &(u64, u64)| {
+                checks
+                    .get(r)
+                    .is_some_and(|c| c.trusted.binary_search(b).is_ok())
+            };
             let mut blocks: BTreeMap<(u64, u64), u64> = BTreeMap::new();
             for n in list {
                 *blocks.entry((n.span.chunk, n.block)).or_default() += n.span.bytes();
@@ -240,50 +245,83 @@ pub fn direct_bytes(m: &Manifest, needs: &[Vec<Need>], trusted: &[Vec<(u64, u64)
         .collect()
 }
 
-/// Who checks each block of a direct load on each host: per rank, the blocks `(chunk, block)`,
-/// sorted, that it reads without checking, because another rank of its host checks them. Every
-/// block that ranks of one host need is checked by exactly one of them: one that needs the block
-/// whole if there is such a rank, else the one with the fewest bytes to check so far (or the
-/// previous block's checker, while within a read unit of that), which then reads it whole. The
-/// others copy only their own bytes of it: where each of several ranks needs a piece of every row
-/// of a block, the block is pulled through memory once on the host, not once per rank.
-/// `hosts[r]` (one per rank) names rank `r`'s host: ranks that read through one page cache (one
-/// kernel), so that the bytes a rank copies are the ones its peer checked. `needs` must be valid
-/// for `m` (as [`plan`] checks).
-pub fn delegate_checks(m: &Manifest, needs: &[Vec<Need>], hosts: &[u64]) -> Vec<Vec<(u64, u64)>> {
-    // (chunk, block, host) -> (rank, bytes it needs), ranks ascending
-    let mut by_block: BTreeMap<(u64, u64, u64), Vec<(usize, u64)>> = BTreeMap::new();
+/// Who checks each block of a direct load on each host ([`delegate_checks`]), per rank: the blocks
+/// `(chunk, block)`, sorted, that it reads without checking them whole (`trusted`), and among them
+/// those it checks in part (`split`): its share of the block's checksum, from its own bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Checks {
+    pub trusted: Vec<(u64, u64)>,
+    pub split: Vec<(u64, u64)>,
+}
+
+/// Who checks each block of a direct load on each host. Where the ranks that need a block hold
+/// every byte of it once between them (each a quarter of every row, say), the block is split:
+/// each folds the checksum of its own bytes as it copies them (`checksum::Parts`), and the XOR of
+/// their shares is checked in the load's last step ([`split_sum`]); this needs no shared page
+/// cache, so it spans hosts. Otherwise one of the ranks of each host that need the block checks
+/// it: one that needs it whole if there is such a rank, else the one with the fewest bytes to
+/// check so far (or the previous block's checker, while within a read unit of that), which then
+/// reads it whole; the others copy only their own bytes of it. Either way a block is pulled
+/// through memory once on a host, not once per rank. `hosts[r]` (one per rank) names rank `r`'s
+/// host: ranks that read through one page cache (one kernel), so that the bytes a rank copies are
+/// the ones its peer checked. `needs` must be valid for `m` (as [`plan`] checks).
+pub fn delegate_checks(m: &Manifest, needs: &[Vec<Need>], hosts: &[u64]) -> Vec<Checks> {
+    // (chunk, block) -> (rank, bytes it needs, its spans), ranks ascending
+    type Needers = Vec<(usize, u64, Vec<Span>)>;
+    let mut by_block: BTreeMap<(u64, u64), Needers> = BTreeMap::new();
     for (r, list) in needs.iter().enumerate() {
         for n in list {
-            let v = by_block
-                .entry((n.span.chunk, n.block, hosts[r]))
-                .or_default();
+            let v = by_block.entry((n.span.chunk, n.block)).or_default();
             match v.last_mut() {
-                Some(last) if last.0 == r => last.1 += n.span.bytes(),
-                _ => v.push((r, n.span.bytes())),
+                Some(last) if last.0 == r => {
+                    last.1 += n.span.bytes();
+                    last.2.push(n.span);
+                }
+                _ => v.push((r, n.span.bytes(), vec![n.span])),
             }
         }
     }
     let mut load = vec![0u64; needs.len()];
-    let mut trusted = vec![Vec::new(); needs.len()];
+    let mut out = vec![Checks::default(); needs.len()];
     // (chunk, host) -> (block, rank): the last checker, kept on for the next block while its load
     // stays within a read unit of the least: runs of blocks, not one block per rank in turn,
     // so that each rank reads (and maps) long stretches.
     let mut last: BTreeMap<(u64, u64), (u64, usize)> = BTreeMap::new();
-    for ((chunk, block, host), ranks) in by_block {
+    for ((chunk, block), ranks) in by_block {
         let whole = block_len(m, chunk, block);
-        if ranks.len() > 1 {
-            let any_whole = ranks.iter().any(|&(_, n)| n >= whole);
-            let can = |&&(_, n): &&(usize, u64)| !any_whole || n >= whole;
-            let (least, _) = *ranks
+        if ranks.len() > 1
+            && m.chunks[chunk as usize].codec == Codec::Raw
+            && ranks.iter().map(|r| r.1).sum::<u64>() == whole
+            && disjoint(ranks.iter().flat_map(|r| &r.2))
+        {
+            for (r, own, _) in ranks {
+                out[r].trusted.push((chunk, block));
+                out[r].split.push((chunk, block));
+                load[r] += own;
+            }
+            continue;
+        }
+        let mut on_host: BTreeMap<u64, Needers> = BTreeMap::new();
+        for r in ranks {
+            on_host.entry(hosts[r.0]).or_default().push(r);
+        }
+        for (host, ranks) in on_host {
+            if ranks.len() == 1 {
+                load[ranks[0].0] += whole;
+                continue;
+            }
+            let any_whole = ranks.iter().any(|&(_, n, _)| n >= whole);
+            let can = |&&(_, n, _): &&(usize, u64, Vec<Span>)| !any_whole || n >= whole;
+            let least = ranks
                 .iter()
                 .filter(can)
-                .min_by_key(|&&(r, _)| (load[r], r))
-                .unwrap();
+                .min_by_key(|r| (load[r.0], r.0))
+                .unwrap()
+                .0;
             let checker = match last.get(&(chunk, host)) {
                 Some(&(b, r))
                     if b + 1 == block
-                        && ranks.iter().filter(can).any(|&(q, _)| q == r)
+                        && ranks.iter().filter(can).any(|q| q.0 == r)
                         && load[r] <= load[least] + crate::io::MAX_UNIT =>
                 {
                     r
@@ -291,15 +329,102 @@ pub fn delegate_checks(m: &Manifest, needs: &[Vec<Need>], hosts: &[u64]) -> Vec<
                 _ => least,
             };
             last.insert((chunk, host), (block, checker));
-            for &(r, _) in ranks.iter().filter(|&&(r, _)| r != checker) {
-                trusted[r].push((chunk, block));
+            for (r, _, _) in ranks.iter().filter(|q| q.0 != checker) {
+                out[*r].trusted.push((chunk, block));
             }
             load[checker] += whole;
-        } else {
-            load[ranks[0].0] += whole;
         }
     }
-    trusted
+    out
+}
+
+/// Whether no two of `spans` (of one block) share a byte, decided from their strides (at most 32
+/// spans, and those of two strides only where one is a single piece; else `false`, which only
+/// costs the block its split check).
+fn disjoint<'a>(spans: impl Iterator<Item = &'a Span>) -> bool {
+    let spans: Vec<&Span> = spans.take(33).collect();
+    if spans.len() > 32 {
+        return false;
+    }
+    // Pieces `a.lo + i * stride` (i < a.count) and `b.lo + j * stride` (j < b.count) meet iff
+    // some d = i - j, in -(b.count - 1)..=a.count - 1, has -a.len < a.lo - b.lo + d * stride < b.len.
+    let meet = |a: &Span, b: &Span, stride: u64| {
+        let (s, x) = (stride as i128, a.lo as i128 - b.lo as i128);
+        let lo = (-(a.len as i128) - x).div_euclid(s) + 1;
+        let hi = (b.len as i128 - x - 1).div_euclid(s);
+        lo.max(1 - b.count as i128) <= hi.min(a.count as i128 - 1)
+    };
+    for (i, a) in spans.iter().enumerate() {
+        for b in &spans[i + 1..] {
+            let overlap = if a.count == 1 {
+                meet(a, b, b.stride)
+            } else if b.count == 1 || a.stride == b.stride {
+                meet(a, b, a.stride)
+            } else {
+                true
+            };
+            if overlap {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// What the shares of the blocks split in a load (`blocks`, each once) XOR to when every byte is
+/// as saved: each block's CRC-32C with its length's constant (`checksum::zeros_constant`). Each
+/// rank's shares XOR into one word per load ([`share_sum`]), so the last step checks them with one
+/// word per rank; [`check_shares`] finds the block where they do not add up.
+pub fn split_sum(m: &Manifest, blocks: &[(u64, u64)]) -> u32 {
+    blocks.iter().fold(0, |x, &(c, b)| {
+        let ch = &m.chunks[c as usize];
+        x ^ m.chunk_checksums(ch)[b as usize] ^ checksum::zeros_constant(block_len(m, c, b))
+    })
+}
+
+/// The XOR of one rank's shares `(chunk, block, share)`.
+pub fn share_sum(shares: &[(u64, u64, u32)]) -> u32 {
+    shares.iter().fold(0, |x, s| x ^ s.2)
+}
+
+/// Checks split blocks from the shares of the ranks that split them (all of them, any order):
+/// each block's shares XOR to its checksum ([`split_sum`]), else `ChecksumMismatch` for the first
+/// that does not (`name` names a data file of `m` for the error).
+pub fn check_shares(
+    m: &Manifest,
+    shares: &[(u64, u64, u32)],
+    name: &dyn Fn(&str) -> std::path::PathBuf,
+) -> Result<()> {
+    let mut by_block: BTreeMap<(u64, u64), u32> = BTreeMap::new();
+    for &(c, b, share) in shares {
+        *by_block.entry((c, b)).or_default() ^= share;
+    }
+    for ((c, b), x) in by_block {
+        let inside =
+            |ch: &&crate::manifest::Chunk| b.checked_mul(m.block_size).is_some_and(|s| s < ch.len);
+        let ch = m.chunks.get(c as usize).filter(inside);
+        let Some(ch) = ch else {
+            return Err(CoreError::InvalidArgument(format!(
+                "a share of block {b} of chunk {c}: no such block in the checkpoint"
+            )));
+        };
+        let found = x ^ checksum::zeros_constant(block_len(m, c, b));
+        let expected = m.chunk_checksums(ch)[b as usize];
+        if found != expected {
+            let t = m.chunk_start.partition_point(|&s| s <= c as usize) - 1;
+            let start = ch.offset + b * m.block_size;
+            return Err(CoreError::ChecksumMismatch {
+                path: name(&m.files[ch.file as usize].path),
+                key: m.tensors[t].key.clone(),
+                chunk: c as usize - m.chunk_start[t],
+                start,
+                end: start + block_len(m, c, b),
+                expected,
+                found,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The cost model of the two read strategies. Ranks work in parallel and the slowest one sets the
@@ -821,44 +946,82 @@ pub fn decode_needs(bytes: &[u8]) -> Result<Vec<Need>> {
     Ok(out)
 }
 
-/// The wire form of one rank's trusted blocks (sorted `(chunk, block)`): runs of consecutive
-/// blocks of a chunk, `(chunk, first block, count)` each.
-pub fn encode_trusted(blocks: &[(u64, u64)]) -> Vec<u8> {
+/// The wire form of one rank's [`Checks`]: runs of consecutive blocks of a chunk, `(chunk, first
+/// block, count, split)` each (`split` 1 for blocks checked in part, else 0).
+pub fn encode_checks(checks: &Checks) -> Vec<u8> {
     let mut w: Vec<u64> = Vec::new();
-    for &(chunk, block) in blocks {
-        match w.len().checked_sub(3).map(|i| (w[i], w[i + 1], w[i + 2])) {
-            Some((c, first, n)) if c == chunk && first + n == block => *w.last_mut().unwrap() += 1,
-            _ => w.extend([chunk, block, 1]),
+    for &(chunk, block) in &checks.trusted {
+        let split = checks.split.binary_search(&(chunk, block)).is_ok() as u64;
+        match w
+            .len()
+            .checked_sub(4)
+            .map(|i| (w[i], w[i + 1], w[i + 2], w[i + 3]))
+        {
+            Some((c, first, n, s)) if c == chunk && first + n == block && s == split => {
+                let i = w.len() - 2;
+                w[i] += 1
+            }
+            _ => w.extend([chunk, block, 1, split]),
         }
     }
     to_bytes(&w)
 }
 
-/// [`encode_trusted`] read back: sorted blocks, each of a chunk of `m` (else `InvalidArgument`).
-pub fn decode_trusted(m: &Manifest, bytes: &[u8]) -> Result<Vec<(u64, u64)>> {
+/// [`encode_checks`] read back: sorted blocks, each of a chunk of `m` (else `InvalidArgument`).
+pub fn decode_checks(m: &Manifest, bytes: &[u8]) -> Result<Checks> {
     let w = words(bytes)?;
-    if !w.len().is_multiple_of(3) {
+    if !w.len().is_multiple_of(4) {
         return Err(CoreError::InvalidArgument(
-            "a list of trusted blocks is not made of (chunk, block, count) runs".into(),
+            "a list of trusted blocks is not made of (chunk, block, count, split) runs".into(),
         ));
     }
-    let mut out = Vec::new();
-    for run in w.chunks_exact(3) {
-        let (chunk, first, n) = (run[0], run[1], run[2]);
+    let mut out = Checks::default();
+    for run in w.chunks_exact(4) {
+        let (chunk, first, n, split) = (run[0], run[1], run[2], run[3]);
         let blocks = m
             .chunks
             .get(chunk as usize)
             .map_or(0, |c| c.len.div_ceil(m.block_size));
-        if first.checked_add(n).is_none_or(|e| e > blocks) {
+        if first.checked_add(n).is_none_or(|e| e > blocks) || split > 1 {
             return Err(CoreError::InvalidArgument(format!(
                 "trusted blocks {first}+{n} of chunk {chunk}: no such blocks in the checkpoint"
             )));
         }
-        out.extend((first..first + n).map(|b| (chunk, b)));
+        out.trusted.extend((first..first + n).map(|b| (chunk, b)));
+        if split == 1 {
+            out.split.extend((first..first + n).map(|b| (chunk, b)));
+        }
     }
-    out.sort_unstable();
-    out.dedup();
+    for list in [&mut out.trusted, &mut out.split] {
+        list.sort_unstable();
+        list.dedup();
+    }
     Ok(out)
+}
+
+/// The wire form of one rank's shares `(chunk, block, share)`.
+pub fn encode_shares(shares: &[(u64, u64, u32)]) -> Vec<u8> {
+    let w: Vec<u64> = shares
+        .iter()
+        .flat_map(|&(c, b, x)| [c, b, x as u64])
+        .collect();
+    to_bytes(&w)
+}
+
+/// [`encode_shares`] read back (`InvalidArgument` if not made of triples of a 32-bit share).
+pub fn decode_shares(bytes: &[u8]) -> Result<Vec<(u64, u64, u32)>> {
+    let w = words(bytes)?;
+    let bad = || {
+        CoreError::InvalidArgument(
+            "a list of block shares is not made of (chunk, block, share)".into(),
+        )
+    };
+    if !w.len().is_multiple_of(3) {
+        return Err(bad());
+    }
+    w.chunks_exact(3)
+        .map(|t| Ok((t[0], t[1], u32::try_from(t[2]).map_err(|_| bad())?)))
+        .collect()
 }
 
 fn push_words(w: &mut Vec<u64>, s: &Span) {

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 
 use crate::checksum::{self, Crc32c};
 use crate::codec::{self, Codec, Encoded};
+use crate::coop::Checks;
 use crate::error::{CoreError, Result};
 use crate::manifest::{block_count, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
 use crate::storage::{LocalFs, Object, ReadMerge, Storage};
@@ -270,11 +271,23 @@ pub struct ByteCopy {
     pub len: u64,
 }
 
-/// A block-aligned byte range of one chunk and the destination slices it fills.
+/// How a block is checked on a read: whole here (`Check`), by another rank of this host
+/// (`Trusted`), or in part here, this rank folding its share of the checksum from its own bytes
+/// (`Split`; `coop::delegate_checks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Trust {
+    Check,
+    Trusted,
+    Split,
+}
+
+/// A block-aligned byte range of one chunk and the destination slices it fills. Its blocks are
+/// all checked alike (`trust`).
 struct Unit<'a> {
     chunk: usize,
     start: u64,
     end: u64,
+    trust: Trust,
     /// (offset inside the unit, destination bytes)
     parts: Vec<(u64, &'a mut [u8])>,
 }
@@ -361,22 +374,43 @@ pub fn read_from(
     verify: bool,
     workers: usize,
 ) -> Result<()> {
-    read_from_trusting(storage, m, copies, dests, verify, &[], workers)
+    read_from_trusting(
+        storage,
+        m,
+        copies,
+        dests,
+        verify,
+        &Checks::default(),
+        workers,
+    )
+    .map(|_| ())
 }
 
-/// [`read_from`], but blocks `(chunk, block)` of `trusted` (sorted) are not checked: another
-/// rank on this host reads each of them whole and checks it (`coop::delegate_checks`). This rank
-/// then copies only its pieces of them, out of a mapping where the storage has one.
+/// [`read_from`], but blocks `(chunk, block)` of `checks.trusted` are not checked whole: another
+/// rank on this host reads each of them whole and checks it, or (`checks.split`) the ranks of the
+/// host that need it each fold a share of its checksum from their own bytes
+/// (`coop::delegate_checks`). This rank then copies only its pieces of them, out of a mapping
+/// where the storage has one, and returns its shares `(chunk, block, share)` of the split blocks,
+/// sorted (`coop::check_shares` checks them).
 pub fn read_from_trusting(
     storage: &dyn Storage,
     m: &Manifest,
     mut copies: Vec<ByteCopy>,
     dests: Vec<&mut [u8]>,
     verify: bool,
-    trusted: &[(u64, u64)],
+    checks: &Checks,
     workers: usize,
-) -> Result<()> {
-    let trusts = |chunk: usize, block: u64| trusted.binary_search(&(chunk as u64, block)).is_ok();
+) -> Result<Vec<(u64, u64, u32)>> {
+    let trust = |chunk: usize, block: u64| {
+        let b = (chunk as u64, block);
+        if checks.split.binary_search(&b).is_ok() {
+            Trust::Split
+        } else if checks.trusted.binary_search(&b).is_ok() {
+            Trust::Trusted
+        } else {
+            Trust::Check
+        }
+    };
     copies.retain(|c| c.len > 0);
     for c in &copies {
         let chunk = m
@@ -405,22 +439,23 @@ pub fn read_from_trusting(
         let (f, path) = slot.as_ref().unwrap();
         check_extent(m, c.chunk, path, f.size())?;
     }
-    let units = make_units(m, &copies, slices, &trusts);
+    let units = make_units(m, &copies, slices, &trust);
     let requests = merge_units(m, units, storage.read_merge());
-    let job = |u: Unit<'_>| -> Result<()> {
+    let shares = Mutex::new(Vec::new());
+    // Reads a unit; returns whether its bytes went through `fold` on the way.
+    let read_unit = |u: &mut Unit<'_>, fold: &mut Option<UnitShares>| -> Result<bool> {
         let ch = &m.chunks[u.chunk];
         let (f, path) = files[ch.file as usize].as_ref().unwrap();
-        // A unit's blocks are all trusted or none is (`make_units`).
-        let verify = verify && !trusts(u.chunk, u.start / m.block_size);
+        let verify = verify && u.trust == Trust::Check;
+        let parts = &mut u.parts;
         if ch.codec != Codec::Raw {
-            let mut parts = u.parts;
             return with_scratch(|raw| {
                 decode_range(m, u.chunk, &**f, path, u.start, u.end, verify, raw)?;
                 for (off, dst) in parts.iter_mut() {
                     let n = dst.len();
                     dst.copy_from_slice(&raw[*off as usize..*off as usize + n]);
                 }
-                Ok(())
+                Ok(false)
             });
         }
         let io_err = |e| read_error(m, u.chunk, path, ch.offset + u.end, f.size(), e);
@@ -437,8 +472,6 @@ pub fn read_from_trusting(
                 Ok(())
             }
         };
-        let mut parts = u.parts;
-        parts.sort_unstable_by_key(|p| p.0);
         let disjoint = parts
             .windows(2)
             .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0);
@@ -453,13 +486,19 @@ pub fn read_from_trusting(
                     let n = dst.len();
                     dst.copy_from_slice(&scratch[*off as usize..*off as usize + n]);
                 }
-                return Ok(());
+                return Ok(false);
             }
             let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
             if !verify && wanted < len {
                 // Only the pieces are wanted: copied out of a mapping, where there is one.
-                if let Some(done) = f.copy_parts(ch.offset + u.start, &mut parts) {
-                    return done.map_err(io_err);
+                // A split block's share folded from each piece as it lands, while it is in the cache.
+                let mut seen = |off: u64, b: &[u8]| {
+                    if let Some(fold) = fold.as_mut() {
+                        fold.feed(off, b)
+                    }
+                };
+                if let Some(done) = f.copy_parts(ch.offset + u.start, parts, &mut seen) {
+                    return done.map(|_| fold.is_some()).map_err(io_err);
                 }
             }
             if let Some(w) = f.window() {
@@ -471,8 +510,8 @@ pub fn read_from_trusting(
                     }
                 };
                 let at = ch.offset + u.start;
-                read_windows(&**f, at, len, &mut parts, w, scratch, &mut seen).map_err(io_err)?;
-                return check.map_or(Ok(()), BlockCheck::finish);
+                read_windows(&**f, at, len, parts, w, scratch, &mut seen).map_err(io_err)?;
+                return check.map_or(Ok(()), BlockCheck::finish).map(|_| false);
             }
             // One vectored read straight into the destinations; bytes no target wants land in
             // scratch (they are read anyway, for the block checksums).
@@ -494,14 +533,27 @@ pub fn read_from_trusting(
                 segs.push(spare);
             }
             if !verify {
-                return read_vectored(&mut segs);
+                return read_vectored(&mut segs).map(|_| false);
             }
             // Each stretch checked as soon as it lands, while it is in the cache.
             let mut check = BlockCheck::new(m, u.chunk, ch, u.start, u.end, path);
             f.read_exact_at_seen(&mut segs, ch.offset + u.start, &mut |b| check.feed(b))
                 .map_err(io_err)?;
-            check.finish()
+            check.finish().map(|_| false)
         })
+    };
+    let job = |mut u: Unit<'_>| -> Result<()> {
+        u.parts.sort_unstable_by_key(|p| p.0);
+        let mut fold = (u.trust == Trust::Split)
+            .then(|| UnitShares::new(u.chunk as u64, m.block_size, m.chunks[u.chunk].len, u.start));
+        let fed = read_unit(&mut u, &mut fold)?;
+        if let Some(mut fold) = fold {
+            if !fed {
+                u.parts.iter().for_each(|(off, dst)| fold.feed(*off, dst));
+            }
+            shares.lock().unwrap().extend(fold.finish());
+        }
+        Ok(())
     };
     // Units merged into one request: one read of the object's bytes from the first unit's start
     // to the last one's end, the parts straight into place, the rest (unneeded bytes inside the
@@ -579,7 +631,70 @@ pub fn read_from_trusting(
         } else {
             merged(units)
         }
-    })
+    })?;
+    let mut shares = shares.into_inner().unwrap();
+    shares.sort_unstable();
+    Ok(shares)
+}
+
+/// The shares of the blocks of a split unit (chunk bytes from `start`), fed its parts in order of
+/// their offsets (bytes fed twice count once), block by block.
+struct UnitShares {
+    chunk: u64,
+    bs: u64,
+    clen: u64,
+    start: u64,
+    pos: u64,
+    cur: Option<(u64, checksum::Parts)>,
+    out: Vec<(u64, u64, u32)>,
+}
+
+impl UnitShares {
+    fn new(chunk: u64, bs: u64, clen: u64, start: u64) -> Self {
+        UnitShares {
+            chunk,
+            bs,
+            clen,
+            start,
+            pos: start,
+            cur: None,
+            out: Vec::new(),
+        }
+    }
+    /// Bytes `data` at `off` from the unit's start.
+    fn feed(&mut self, off: u64, mut data: &[u8]) {
+        let mut at = self.start + off;
+        let end = at + data.len() as u64;
+        if end <= self.pos {
+            return;
+        }
+        if at < self.pos {
+            data = &data[(self.pos - at) as usize..];
+            at = self.pos;
+        }
+        while !data.is_empty() {
+            let b = at / self.bs;
+            let (lo, hi) = (b * self.bs, ((b + 1) * self.bs).min(self.clen));
+            if self.cur.as_ref().is_none_or(|c| c.0 != b) {
+                self.flush();
+                self.cur = Some((b, checksum::Parts::new(hi - lo)));
+            }
+            let n = data.len().min((hi - at) as usize);
+            self.cur.as_mut().unwrap().1.feed(at - lo, &data[..n]);
+            at += n as u64;
+            data = &data[n..];
+        }
+        self.pos = end;
+    }
+    fn flush(&mut self) {
+        if let Some((b, parts)) = self.cur.take() {
+            self.out.push((self.chunk, b, parts.finish()));
+        }
+    }
+    fn finish(mut self) -> Vec<(u64, u64, u32)> {
+        self.flush();
+        self.out
+    }
 }
 
 /// The error of a failed read of chunk `c` in data file `path` (of `size` bytes): `Truncated` if
@@ -685,6 +800,7 @@ fn merge_units<'a>(m: &Manifest, mut units: Vec<Unit<'a>>, merge: ReadMerge) -> 
     for mut u in units {
         u.parts.sort_unstable_by_key(|p| p.0);
         let ok = m.chunks[u.chunk].codec == Codec::Raw
+            && u.trust != Trust::Split
             && u.parts
                 .windows(2)
                 .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0);
@@ -814,7 +930,7 @@ fn make_units<'a>(
     m: &Manifest,
     copies: &[ByteCopy],
     mut slices: Vec<Option<&'a mut [u8]>>,
-    trusts: &dyn Fn(usize, u64) -> bool,
+    trust: &dyn Fn(usize, u64) -> Trust,
 ) -> Vec<Unit<'a>> {
     let bs = m.block_size;
     let unit_max = MAX_UNIT.next_multiple_of(bs);
@@ -853,11 +969,11 @@ fn make_units<'a>(
                 cuts.extend([first, last]);
             }
         }
-        // And where trusted blocks start and end: a unit is checked whole or not at all.
+        // And where the checking of blocks changes: a unit's blocks are checked alike.
         for &(s, e) in &segs {
             let mut prev = None;
             for block in s / bs..e.div_ceil(bs) {
-                let t = trusts(chunk, block);
+                let t = trust(chunk, block);
                 if prev.is_some_and(|p| p != t) {
                     cuts.push(block * bs);
                 }
@@ -882,6 +998,7 @@ fn make_units<'a>(
                     chunk,
                     start: pos,
                     end,
+                    trust: trust(chunk, pos / bs),
                     parts: Vec::new(),
                 });
                 pos = end;

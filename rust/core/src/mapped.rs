@@ -194,13 +194,14 @@ impl MappedFile {
         r == 0 && vec.iter().all(|v| v & 1 == 1)
     }
 
-    /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file.
-    /// `UnexpectedEof` where the file was cut short under the mapping (here or in another copy
-    /// out of it: the bytes may then be zeros).
+    /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file, each
+    /// handed to `seen` with its offset once copied. `UnexpectedEof` where the file was cut short
+    /// under the mapping (here or in another copy out of it: the bytes may then be zeros).
     pub(crate) fn copy_parts(
         &self,
         at: u64,
         parts: &mut [(u64, &mut [u8])],
+        seen: &mut dyn FnMut(u64, &[u8]),
     ) -> std::io::Result<()> {
         let short = || Err(std::io::ErrorKind::UnexpectedEof.into());
         for (off, dst) in parts.iter_mut() {
@@ -219,6 +220,7 @@ impl MappedFile {
                     dst.len(),
                 )
             };
+            seen(*off, dst);
         }
         if self.slot.faulted.load(Ordering::Acquire) {
             return short();
@@ -256,12 +258,12 @@ mod tests {
         let map = MappedFile::new(&file, data.len() as u64).unwrap();
         let (mut a, mut b) = (vec![0u8; 10], vec![0u8; 5000]);
         let mut parts = [(1u64, &mut a[..]), (4000u64, &mut b[..])];
-        map.copy_parts(100, &mut parts).unwrap();
+        map.copy_parts(100, &mut parts, &mut |_, _| ()).unwrap();
         assert_eq!(a, data[101..111]);
         assert_eq!(b, data[4100..9100]);
         let mut past = [(0u64, &mut a[..])];
         let e = map
-            .copy_parts(data.len() as u64 - 5, &mut past)
+            .copy_parts(data.len() as u64 - 5, &mut past, &mut |_, _| ())
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         // Just written: in the page cache (the range past the end is not a range of the file).
@@ -272,7 +274,8 @@ mod tests {
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let dropped = !map.resident(0, 4096);
         let mut c = [0u8; 4];
-        map.copy_parts(0, &mut [(0, &mut c[..])]).unwrap();
+        map.copy_parts(0, &mut [(0, &mut c[..])], &mut |_, _| ())
+            .unwrap();
         assert!(!dropped || map.resident(0, 4096));
     }
 
@@ -284,12 +287,14 @@ mod tests {
         f.as_file().set_len(1000).unwrap();
         let mut got = [9u8; 16];
         let e = map
-            .copy_parts(40_000, &mut [(0, &mut got[..])])
+            .copy_parts(40_000, &mut [(0, &mut got[..])], &mut |_, _| ())
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         assert_eq!(got, [0u8; 16]);
         // Every later copy out of it is refused too, even of bytes the file still has.
-        let e = map.copy_parts(0, &mut [(0, &mut got[..])]).unwrap_err();
+        let e = map
+            .copy_parts(0, &mut [(0, &mut got[..])], &mut |_, _| ())
+            .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 }

@@ -77,10 +77,15 @@ pub trait Object: Send + Sync {
         None
     }
     /// Copies `parts` (`(offset from at, destination)`) out of bytes `at..` without reading the
-    /// bytes between them (a local file's mapping, where its pages are in the page cache), or
-    /// `None` where this object cannot or should not (the caller then reads the range). A short
-    /// object is `UnexpectedEof`.
-    fn copy_parts(&self, _at: u64, _parts: &mut [(u64, &mut [u8])]) -> Option<std::io::Result<()>> {
+    /// bytes between them (a local file's mapping, where its pages are in the page cache), each
+    /// handed to `seen` with its offset once copied, or `None` where this object cannot or should
+    /// not (the caller then reads the range). A short object is `UnexpectedEof`.
+    fn copy_parts(
+        &self,
+        _at: u64,
+        _parts: &mut [(u64, &mut [u8])],
+        _seen: &mut dyn FnMut(u64, &[u8]),
+    ) -> Option<std::io::Result<()>> {
         None
     }
     /// Writes all of `data` at `offset`.
@@ -413,7 +418,12 @@ impl Object for LocalObject {
         Some(SEEN_WINDOW)
     }
 
-    fn copy_parts(&self, at: u64, parts: &mut [(u64, &mut [u8])]) -> Option<std::io::Result<()>> {
+    fn copy_parts(
+        &self,
+        at: u64,
+        parts: &mut [(u64, &mut [u8])],
+        seen: &mut dyn FnMut(u64, &[u8]),
+    ) -> Option<std::io::Result<()>> {
         let map = self
             .map
             .get_or_init(|| crate::mapped::MappedFile::new(&self.file, self.size))
@@ -424,7 +434,7 @@ impl Object for LocalObject {
         if !map.resident(at + lo, hi - lo) {
             return None;
         }
-        let done = map.copy_parts(at, parts);
+        let done = map.copy_parts(at, parts, seen);
         if done.is_ok() {
             self.counters
                 .add_read(parts.iter().map(|p| p.1.len() as u64).sum());

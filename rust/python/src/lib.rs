@@ -462,7 +462,9 @@ impl PyReadOnce {
     /// `len(buffers)` buffers, which must have the lengths they were planned with; the others are
     /// left to the caller. Spends the copies: a second call is refused.
     /// With `trusted` (this rank's item of `ReadChoice.trusted`), the blocks another rank of this
-    /// host checks are not checked here, and only this rank's bytes of them are read.
+    /// host checks, or that its ranks check in part, are not checked whole here, and only this
+    /// rank's bytes of them are read. Returns this rank's shares of the blocks checked in part
+    /// (`(xor of them, their wire form)`, for `split_mismatch` and `check_shares`), or `None`.
     #[pyo3(signature = (buffers, verify=true, workers=None, trusted=None))]
     fn load(
         &mut self,
@@ -471,9 +473,9 @@ impl PyReadOnce {
         verify: bool,
         workers: Option<usize>,
         trusted: Option<&[u8]>,
-    ) -> PyResult<()> {
-        let trusted = trusted
-            .map(|t| core::coop::decode_trusted(&self.m, t))
+    ) -> PyResult<Option<(u32, Py<pyo3::types::PyBytes>)>> {
+        let checks = trusted
+            .map(|t| core::coop::decode_checks(&self.m, t))
             .transpose()
             .map_err(|e| to_pyerr(py, e))?
             .unwrap_or_default();
@@ -500,17 +502,25 @@ impl PyReadOnce {
         self.loaded = true;
         copies.retain(|c| c.dst < n);
         let (m, storage) = (self.m.clone(), self.storage.clone());
-        detach(py, move || {
+        let split = !checks.split.is_empty();
+        let shares = detach(py, move || {
             core::io::read_from_trusting(
                 &*storage,
                 &m,
                 copies,
                 as_slices(&buffers)?,
                 verify,
-                &trusted,
+                &checks,
                 worker_count(workers),
             )
-        })
+        })?;
+        Ok(split.then(|| {
+            let wire = core::coop::encode_shares(&shares);
+            (
+                core::coop::share_sum(&shares),
+                pyo3::types::PyBytes::new(py, &wire).unbind(),
+            )
+        }))
     }
     /// Takes this rank's plan (one item of `plan_read_once`'s result).
     fn start(&mut self, py: Python<'_>, plan: &[u8]) -> PyResult<()> {
@@ -615,8 +625,9 @@ impl PyReadOnce {
 /// load read directly and read once (`core::coop::predict`), and plans only if reading once is
 /// predicted faster. No plan (each rank reads its own) when no saved block is needed by more than
 /// one rank, unless `force`. With `hosts` (each rank's host, ranks of one host reading through one
-/// page cache), a load read directly has each shared block checked by one rank per host
-/// (`core::coop::delegate_checks`; the prediction counts it so), and `trusted` says which.
+/// page cache), a load read directly has each shared block checked by one rank per host, or in
+/// part by each rank that needs it (`core::coop::delegate_checks`; the prediction counts it so),
+/// and `trusted` says which.
 #[pyfunction]
 #[pyo3(signature = (manifest, needs, budget, force=false, rates=None, hosts=None))]
 fn plan_read_once(
@@ -649,16 +660,14 @@ fn plan_read_once(
         let trusted = hosts
             .filter(|_| shared)
             .map(|h| core::coop::delegate_checks(&m, &needs, &h))
-            .filter(|t| t.iter().any(|b| !b.is_empty()));
+            .filter(|t| t.iter().any(|c| !c.trusted.is_empty()));
         let direct = core::coop::direct_bytes(&m, &needs, trusted.as_deref().unwrap_or(&[]));
         let predicted = rates.map(|r| core::coop::predict(&direct, &plans, &r));
         let once = force || (shared && predicted.is_none_or(|p| p.once < p.direct));
         let plans = once.then(|| plans.iter().map(|p| p.encode()).collect::<Vec<_>>());
-        let trusted = trusted.filter(|_| !once).map(|t| {
-            t.iter()
-                .map(|b| core::coop::encode_trusted(b))
-                .collect::<Vec<_>>()
-        });
+        let trusted = trusted
+            .filter(|_| !once)
+            .map(|t| t.iter().map(core::coop::encode_checks).collect::<Vec<_>>());
         Ok((plans, predicted, trusted))
     })?;
     let to_py = |ps: Vec<Vec<u8>>| {
@@ -671,6 +680,51 @@ fn plan_read_once(
         direct_s: predicted.map(|p| p.direct),
         once_s: predicted.map(|p| p.once),
         trusted: trusted.map(to_py),
+    })
+}
+
+/// Whether the shares of the blocks checked in part fail to add up, in the last step of a load
+/// read directly: each rank's item of `ReadChoice.trusted` (`None`: it trusted nothing) and the
+/// XOR of its shares (`ReadOnce.load`'s first item; `None`: it split nothing). The shares XOR to
+/// `core::coop::split_sum` of the blocks split when every byte is as saved.
+#[pyfunction]
+fn split_mismatch(
+    py: Python<'_>,
+    manifest: &PyManifest,
+    trusted: Vec<Option<Vec<u8>>>,
+    sums: Vec<Option<u32>>,
+) -> PyResult<bool> {
+    if trusted.len() != sums.len() {
+        return Err(to_pyerr(
+            py,
+            CoreError::InvalidArgument("one sum per rank's trusted blocks".into()),
+        ));
+    }
+    let m = manifest.inner.clone();
+    detach(py, move || {
+        let mut blocks = Vec::new();
+        for t in trusted.iter().flatten() {
+            blocks.extend(core::coop::decode_checks(&m, t)?.split);
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        let sum = sums.iter().flatten().fold(0, |x, s| x ^ s);
+        Ok(core::coop::split_sum(&m, &blocks) != sum)
+    })
+}
+
+/// Checks the blocks checked in part from the shares of the ranks that split them
+/// (`ReadOnce.load`'s second items): `ChecksumMismatch` naming the first block whose shares do
+/// not add up.
+#[pyfunction]
+fn check_shares(py: Python<'_>, manifest: &PyManifest, shares: Vec<Vec<u8>>) -> PyResult<()> {
+    let (m, storage) = (manifest.inner.clone(), manifest.storage.clone());
+    detach(py, move || {
+        let mut all = Vec::new();
+        for s in &shares {
+            all.extend(core::coop::decode_shares(s)?);
+        }
+        core::coop::check_shares(&m, &all, &|rel| storage.name(rel))
     })
 }
 
@@ -1525,6 +1579,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHeartbeat>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(blocks_shared, m)?)?;
+    m.add_function(wrap_pyfunction!(split_mismatch, m)?)?;
+    m.add_function(wrap_pyfunction!(check_shares, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(assign_writers, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage, m)?)?;

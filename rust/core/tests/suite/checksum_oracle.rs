@@ -1,10 +1,12 @@
 //! The block checksum (`checksum`, crc-fast's folding) against the `crc32c` crate's CRC-32C, whole
 //! and fed in random pieces; and `Object::read_exact_at_seen` of a local file against its bytes:
-//! every buffer filled and every byte handed to `seen`, in order, once, across its windows.
+//! every buffer filled and every byte handed to `seen`, in order, once, across its windows. And
+//! a block's CRC-32C from shares folded by several readers (`checksum::Parts`), each holding some
+//! of its bytes, against the CRC-32C of the whole block.
 
 use std::io::Write;
 
-use olmo_chunks_core::checksum::{crc32c, Crc32c};
+use olmo_chunks_core::checksum::{crc32c, shift, update, zeros_constant, Crc32c, Parts};
 use olmo_chunks_core::storage::SEEN_WINDOW;
 use olmo_chunks_core::{LocalFs, Storage};
 use proptest::prelude::*;
@@ -15,8 +17,64 @@ fn the_standard_check_value() {
     assert_eq!(crc32c(b""), 0);
 }
 
+#[test]
+fn zeros_shift_a_register_as_feeding_them_does() {
+    for n in [0u64, 1, 2, 3, 7, 8, 64, 1000, 4096, 65_537] {
+        for reg in [0u32, 1, 0x8000_0000, 0xDEAD_BEEF, !0] {
+            assert_eq!(
+                shift(reg, n),
+                update(reg, &vec![0u8; n as usize]),
+                "n {n} reg {reg:#x}"
+            );
+        }
+        let d: Vec<u8> = (0..n).map(|i| (i * 31 + 7) as u8).collect();
+        assert_eq!(
+            update(0, &d) ^ zeros_constant(n),
+            crc32c::crc32c(&d),
+            "n {n}"
+        );
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The block cut into runs, each run given to one of `readers` (runs of one reader may also be
+    /// fed twice, overlapping): the XOR of the readers' shares and the length's constant is the
+    /// block's CRC-32C; and a changed byte changes it.
+    #[test]
+    fn shares_of_a_block_xor_to_its_crc(
+        data in proptest::collection::vec(any::<u8>(), 1..20_000),
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..40),
+        owners in proptest::collection::vec(0usize..4, 41),
+        again in proptest::collection::vec(any::<bool>(), 41),
+        flip in any::<prop::sample::Index>(),
+    ) {
+        let n = data.len();
+        let mut at: Vec<usize> = cuts.iter().map(|i| i.index(n + 1)).collect();
+        at.push(0);
+        at.push(n);
+        at.sort_unstable();
+        at.dedup();
+        let runs: Vec<(usize, usize)> = at.windows(2).map(|w| (w[0], w[1])).collect();
+        let fold = |data: &[u8]| {
+            let mut readers: Vec<Parts> = (0..4).map(|_| Parts::new(n as u64)).collect();
+            for (i, &(a, b)) in runs.iter().enumerate() {
+                let r = &mut readers[owners[i]];
+                r.feed(a as u64, &data[a..b]);
+                if again[i] {
+                    // a second destination of the same bytes, or the tail of them
+                    let from = a + (b - a) / 2;
+                    r.feed(from as u64, &data[from..b]);
+                }
+            }
+            readers.into_iter().fold(zeros_constant(n as u64), |x, r| x ^ r.finish())
+        };
+        prop_assert_eq!(fold(&data), crc32c::crc32c(&data));
+        let mut bad = data.clone();
+        bad[flip.index(n)] ^= 0x10;
+        prop_assert_ne!(fold(&bad), crc32c::crc32c(&data));
+    }
 
     #[test]
     fn equals_the_crc32c_crate_whole_and_in_pieces(

@@ -41,18 +41,71 @@ fn rank_targets(
     dir: &std::path::Path,
 ) -> Rank {
     let mut targets = Vec::new();
-    let mut lens = Vec::new();
     for _ in 0..rng.range(0, 3) {
         let ti = rng.below(tensors.len() as u64) as usize;
-        let item = olmo_chunks_core::dtype::itemsize(&tensors[ti].dtype).unwrap();
         let w = random_target(rng, &tensors[ti].shape);
+        targets.push((ti, w.pieces, w.dest_elems));
+    }
+    rank_of(m, tensors, dir, targets)
+}
+
+/// Ranks whose targets partition every tensor between them (a reshard): each box of a random
+/// partition of each tensor goes to a random rank, the boxes of one rank and tensor packed into
+/// one buffer with random local layouts.
+fn partition_ranks(
+    rng: &mut Seeded,
+    m: &Manifest,
+    tensors: &[SavedTensor],
+    dir: &std::path::Path,
+    world: usize,
+) -> Vec<Rank> {
+    let mut targets: Vec<Vec<(usize, Vec<olmo_chunks_core::Piece>, u64)>> = vec![Vec::new(); world];
+    for (ti, t) in tensors.iter().enumerate() {
+        let mut mine: Vec<(Vec<olmo_chunks_core::Piece>, u64)> = vec![(Vec::new(), 0); world];
+        for r in random_partition(rng, &t.shape) {
+            let boxes = match r {
+                olmo_chunks_core::Region::Box { offsets, sizes } => vec![(offsets, sizes)],
+                olmo_chunks_core::Region::Flat { start, len } => {
+                    olmo_chunks_core::region::flat_boxes(&t.shape, start, start + len)
+                }
+            };
+            let owner = &mut mine[rng.below(world as u64) as usize];
+            for (o, s) in boxes {
+                let (p, e) = strided_piece(rng, o, s, owner.1);
+                owner.0.push(p);
+                owner.1 = e;
+            }
+        }
+        for (r, (pieces, extent)) in mine.into_iter().enumerate() {
+            if !pieces.is_empty() {
+                targets[r].push((ti, pieces, extent));
+            }
+        }
+    }
+    targets
+        .into_iter()
+        .map(|t| rank_of(m, tensors, dir, t))
+        .collect()
+}
+
+/// A rank with targets `(tensor, pieces, elements of its buffer)`, and what a direct read gives it.
+fn rank_of(
+    m: &Manifest,
+    tensors: &[SavedTensor],
+    dir: &std::path::Path,
+    wanted: Vec<(usize, Vec<olmo_chunks_core::Piece>, u64)>,
+) -> Rank {
+    let mut targets = Vec::new();
+    let mut lens = Vec::new();
+    for (ti, pieces, elems) in wanted {
+        let item = olmo_chunks_core::dtype::itemsize(&tensors[ti].dtype).unwrap();
         targets.push(Target {
             tensor: ti,
-            pieces: w.pieces,
+            pieces,
             dest: lens.len(),
-            dest_len: w.dest_elems * item,
+            dest_len: elems * item,
         });
-        lens.push((w.dest_elems * item) as usize);
+        lens.push((elems * item) as usize);
     }
     let copies = plan_copies(m, &targets).unwrap();
     let mut direct: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0xA5; n]).collect();
@@ -250,27 +303,94 @@ fn crafted_lists_of_trusted_blocks_are_refused() {
     }];
     let m = in_memory_manifest(&tensors, 30); // one chunk of 4 blocks
     let wire = |w: &[u64]| -> Vec<u8> { w.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let checks = coop::Checks {
+        trusted: vec![(0, 0), (0, 1), (0, 2), (0, 3)],
+        split: vec![(0, 2), (0, 3)],
+    };
     assert_eq!(
-        coop::decode_trusted(&m, &wire(&[0, 1, 3])).unwrap(),
+        coop::decode_checks(&m, &wire(&[0, 1, 3, 0]))
+            .unwrap()
+            .trusted,
         vec![(0, 1), (0, 2), (0, 3)]
     );
     assert_eq!(
-        coop::encode_trusted(&[(0, 0), (0, 1), (0, 3)]),
-        wire(&[0, 0, 2, 0, 3, 1])
+        coop::encode_checks(&checks),
+        wire(&[0, 0, 2, 0, 0, 2, 2, 1])
+    );
+    assert_eq!(
+        coop::decode_checks(&m, &coop::encode_checks(&checks)).unwrap(),
+        checks
     );
     for bad in [
-        vec![0u8; 12],           // not whole words
-        wire(&[0, 1]),           // not whole runs
-        wire(&[0, 2, 3]),        // past the chunk's last block
-        wire(&[1, 0, 1]),        // no such chunk
-        wire(&[0, u64::MAX, 2]), // overflows
+        vec![0u8; 12],              // not whole words
+        wire(&[0, 1, 1]),           // not whole runs
+        wire(&[0, 2, 3, 0]),        // past the chunk's last block
+        wire(&[1, 0, 1, 0]),        // no such chunk
+        wire(&[0, u64::MAX, 2, 0]), // overflows
+        wire(&[0, 0, 1, 2]),        // neither split nor not
     ] {
-        let e = coop::decode_trusted(&m, &bad).unwrap_err();
+        let e = coop::decode_checks(&m, &bad).unwrap_err();
         assert!(
             matches!(e, olmo_chunks_core::CoreError::InvalidArgument(_)),
             "{e}"
         );
     }
+    for bad in [wire(&[0, 1]), wire(&[0, 1, 1 << 32])] {
+        let e = coop::decode_shares(&bad).unwrap_err();
+        assert!(
+            matches!(e, olmo_chunks_core::CoreError::InvalidArgument(_)),
+            "{e}"
+        );
+    }
+    let e = coop::check_shares(&m, &[(0, 4, 0)], &|p| p.into()).unwrap_err();
+    assert!(
+        matches!(e, olmo_chunks_core::CoreError::InvalidArgument(_)),
+        "{e}"
+    );
+}
+
+/// A Shard(0) -> Shard(1) reshard: rows saved whole, each of 4 ranks wanting a quarter of every
+/// row. Every block is split between them, on one host or several.
+#[test]
+fn column_quarters_of_row_blocks_are_split() {
+    let tensors = vec![SavedTensor {
+        key: "w".into(),
+        dtype: "float32".into(),
+        shape: vec![64, 32],
+        regions: vec![olmo_chunks_core::Region::Box {
+            offsets: vec![0, 0],
+            sizes: vec![64, 32],
+        }],
+    }];
+    let m = in_memory_manifest(&tensors, 1000); // rows of 128 bytes, blocks of 1000
+    let needs: Vec<Vec<coop::Need>> = (0..4u64)
+        .map(|r| {
+            let pieces = vec![olmo_chunks_core::Piece {
+                offsets: vec![0, 8 * r],
+                sizes: vec![64, 8],
+                local_start: 0,
+                strides: vec![8, 1],
+            }];
+            let t = Target {
+                tensor: 0,
+                pieces,
+                dest: 0,
+                dest_len: 64 * 8 * 4,
+            };
+            coop::needs(&m, &plan_copies(&m, &[t]).unwrap())
+        })
+        .collect();
+    let blocks: Vec<(u64, u64)> = (0..9).map(|b| (0, b)).collect();
+    for hosts in [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 2, 3]] {
+        for c in coop::delegate_checks(&m, &needs, &hosts) {
+            assert_eq!(c.split, blocks, "hosts {hosts:?}");
+        }
+    }
+    // Two ranks wanting the same half of each row: checked whole by one of them.
+    let halves = vec![needs[0].clone(), needs[0].clone()];
+    assert!(coop::delegate_checks(&m, &halves, &[0, 0])
+        .iter()
+        .all(|c| c.split.is_empty()));
 }
 
 #[test]
@@ -405,46 +525,79 @@ proptest! {
         prop_assert_eq!(got, runs);
     }
 
-    /// Read directly with checks delegated: on each host every block its ranks need is checked by
-    /// exactly one of them (one that needs it whole where there is one), each rank ends with the
-    /// bytes a checked read gives it, and a block corrupted on disk is caught on every host that
-    /// reads it. The cost model counts a trusted block at the rank's own bytes of it.
+    /// Read directly with checks delegated: every block is split, its ranks holding every byte of
+    /// it once between them (a brute-force count) and each folding a share of its checksum, or on
+    /// each host that needs it checked by exactly one rank there (one that needs it whole where
+    /// there is one). Each rank ends with the bytes a checked read gives it, the shares add up
+    /// (`split_sum`, `check_shares`), and a block corrupted on disk is caught on every host that
+    /// reads it (by its checker there), or by its shares. The cost model counts a trusted block at
+    /// the rank's own bytes of it.
     #[test]
     fn delegated_checks_catch_every_bad_block_once_per_host(
         seed in any::<u64>(),
         block in prop::sample::select(vec![1u64, 3, 8, 64, 100]),
         world in 1usize..=5,
         host_count in 1u64..=3,
+        reshard in any::<bool>(),
     ) {
-        let (mut rng, dir, m, ranks) = random_job(seed, block, world);
+        let (mut rng, dir, m, mut ranks) = random_job(seed, block, world);
+        if reshard {
+            let tensors: Vec<SavedTensor> = random_tensors(&mut Seeded::new(seed)); // random_job's
+            ranks = partition_ranks(&mut rng, &m, &tensors, dir.path(), world);
+        }
         let hosts: Vec<u64> = (0..world).map(|_| rng.below(host_count)).collect();
         let needs: Vec<Vec<coop::Need>> = ranks.iter().map(|r| coop::needs(&m, &r.copies)).collect();
-        let trusted: Vec<Vec<(u64, u64)>> = coop::delegate_checks(&m, &needs, &hosts)
+        let checks: Vec<coop::Checks> = coop::delegate_checks(&m, &needs, &hosts)
             .iter()
-            .map(|t| coop::decode_trusted(&m, &coop::encode_trusted(t)).unwrap())
+            .map(|c| coop::decode_checks(&m, &coop::encode_checks(c)).unwrap())
             .collect();
+        let trusted: Vec<&Vec<(u64, u64)>> = checks.iter().map(|c| &c.trusted).collect();
 
         let block_len = |(c, b): (u64, u64)| (m.chunks[c as usize].len - b * block).min(block);
         let mut own: BTreeMap<(u64, u64, usize), u64> = BTreeMap::new(); // (chunk, block, rank) -> bytes
+        // (chunk, block) -> how many ranks need each byte of the block
+        let mut cover: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
         for (r, list) in needs.iter().enumerate() {
             for n in list {
                 *own.entry((n.span.chunk, n.block, r)).or_default() += n.span.bytes();
+                let len = block_len((n.span.chunk, n.block)) as usize;
+                let counts = cover.entry((n.span.chunk, n.block)).or_insert_with(|| vec![0; len]);
+                for (lo, hi) in n.span.pieces() {
+                    for x in lo..hi {
+                        counts[(x - n.block * block) as usize] += 1;
+                    }
+                }
             }
         }
         let mut checkers: BTreeMap<(u64, u64, u64), Vec<usize>> = BTreeMap::new();
         let mut needers: BTreeMap<(u64, u64, u64), Vec<usize>> = BTreeMap::new();
+        let mut splitters: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
         for &(c, b, r) in own.keys() {
             needers.entry((c, b, hosts[r])).or_default().push(r);
             if !trusted[r].contains(&(c, b)) {
                 checkers.entry((c, b, hosts[r])).or_default().push(r);
             }
-        }
-        for (r, t) in trusted.iter().enumerate() {
-            for &(c, b) in t {
-                prop_assert!(own.contains_key(&(c, b, r)), "rank {} trusts a block it does not need", r);
+            if checks[r].split.contains(&(c, b)) {
+                splitters.entry((c, b)).or_default().push(r);
             }
         }
+        for (r, c) in checks.iter().enumerate() {
+            for &(ch, b) in &c.trusted {
+                prop_assert!(own.contains_key(&(ch, b, r)), "rank {} trusts a block it does not need", r);
+            }
+            prop_assert!(c.split.iter().all(|b| c.trusted.contains(b)), "split blocks are trusted");
+        }
+        for (&(c, b), split) in &splitters {
+            let all: Vec<usize> = own.keys().filter(|k| (k.0, k.1) == (c, b)).map(|k| k.2).collect();
+            prop_assert_eq!(split, &all, "block {:?}: split by some of its ranks only", (c, b));
+            prop_assert!(all.len() > 1);
+            prop_assert!(cover[&(c, b)].iter().all(|&n| n == 1), "block {:?} split but not a partition", (c, b));
+        }
         for (key, rs) in &needers {
+            if splitters.contains_key(&(key.0, key.1)) {
+                prop_assert!(!checkers.contains_key(key), "block {:?}: split and checked", key);
+                continue;
+            }
             let checked_by = checkers.get(key).cloned().unwrap_or_default();
             prop_assert_eq!(checked_by.len(), 1, "block {:?} checked by {:?} of {:?}", key, checked_by, rs);
             let whole = |r: usize| own[&(key.0, key.1, r)] >= block_len((key.0, key.1));
@@ -457,9 +610,10 @@ proptest! {
                 if trusted[r].contains(&(c, b)) { n.min(block_len((c, b))) } else { block_len((c, b)) }
             }).sum()
         }).collect();
-        prop_assert_eq!(coop::direct_bytes(&m, &needs, &trusted), direct);
+        prop_assert_eq!(coop::direct_bytes(&m, &needs, &checks), direct);
 
-        let read = |r: usize| -> (Vec<Vec<u8>>, olmo_chunks_core::Result<()>) {
+        type Shares = Vec<(u64, u64, u32)>;
+        let read = |r: usize| -> (Vec<Vec<u8>>, olmo_chunks_core::Result<Shares>) {
             let mut bufs: Vec<Vec<u8>> = ranks[r].lens.iter().map(|&n| vec![0xA5; n]).collect();
             let done = read_from_trusting(
                 &LocalFs::new(dir.path()),
@@ -467,18 +621,33 @@ proptest! {
                 ranks[r].copies.clone(),
                 bufs.iter_mut().map(|b| b.as_mut_slice()).collect(),
                 true,
-                &trusted[r],
+                &checks[r],
                 2,
             );
             (bufs, done)
         };
+        let name = |rel: &str| dir.path().join(rel);
+        // The shares: checked block by block, and by the one word per rank the last step sums.
+        let add_up = |shares: &[Shares]| -> (olmo_chunks_core::Result<()>, bool) {
+            let all: Shares = shares.concat();
+            let split: Vec<(u64, u64)> = splitters.keys().copied().collect();
+            let words = shares.iter().fold(0, |x, s| x ^ coop::share_sum(s));
+            (coop::check_shares(&m, &all, &name), words == coop::split_sum(&m, &split))
+        };
+        let mut shares: Vec<Shares> = Vec::new();
         for (r, rank) in ranks.iter().enumerate() {
             let (bufs, done) = read(r);
-            prop_assert!(done.is_ok());
             prop_assert_eq!(&bufs, &rank.direct);
+            let mine = done.unwrap();
+            let blocks: Vec<(u64, u64)> = mine.iter().map(|s| (s.0, s.1)).collect();
+            prop_assert_eq!(&blocks, &checks[r].split, "one share per split block");
+            shares.push(mine);
         }
+        let (each, words) = add_up(&shares);
+        prop_assert!(each.is_ok() && words, "{:?}", each);
 
-        // One flipped byte in a needed block: each host reading it has a rank that fails.
+        // One flipped byte in a needed block: each host reading it has a rank that fails, or its
+        // shares do not add up.
         if own.is_empty() {
             return Ok(());
         }
@@ -490,11 +659,28 @@ proptest! {
         let mut data = std::fs::read(&path).unwrap();
         data[at as usize] ^= 0x40;
         std::fs::write(&path, &data).unwrap();
+        let reads: Vec<_> = (0..world).map(read).collect();
+        if splitters.contains_key(&(c, b)) {
+            let shares: Vec<Shares> = reads.iter().map(|(_, d)| d.as_ref().cloned().unwrap_or_default()).collect();
+            let (each, words) = add_up(&shares);
+            prop_assert!(!words, "the words still add up");
+            match each {
+                Err(CoreError::ChecksumMismatch { start, path: p, .. }) => {
+                    prop_assert_eq!(start, ch.offset + b * block);
+                    prop_assert_eq!(p, path.clone());
+                }
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
         for ((_, _, host), rs) in needers.range((c, b, 0)..=(c, b, u64::MAX)) {
             let failed: Vec<usize> = rs.iter().copied().filter(|&r| {
-                matches!(read(r).1, Err(CoreError::ChecksumMismatch { .. }))
+                matches!(reads[r].1, Err(CoreError::ChecksumMismatch { .. }))
             }).collect();
-            prop_assert_eq!(&failed, &checkers[&(c, b, *host)], "host {}", host);
+            if splitters.contains_key(&(c, b)) {
+                prop_assert!(failed.is_empty(), "host {}: a split block fails no read", host);
+            } else {
+                prop_assert_eq!(&failed, &checkers[&(c, b, *host)], "host {}", host);
+            }
         }
     }
 }
