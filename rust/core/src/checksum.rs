@@ -94,21 +94,99 @@ pub fn update(reg: u32, data: &[u8]) -> u32 {
     d.get_state() as u32
 }
 
+/// Pieces up to this long are folded three at a time ([`regs3`]): below it the CRC-32C
+/// instruction, three chains interleaved, beats the folding CRC's per-call cost (on this build's
+/// machine, 32 against 47 ns for a 736-byte piece; about even at 1,472 bytes).
+pub const SHORT: usize = 1024;
+
+/// The registers after each of three pieces, from 0 (`update(0, piece)` each). Short pieces (a
+/// quarter of a row) cost a folding CRC more per byte than long ones; where the CPU has the
+/// CRC-32C instruction, three pieces go through it interleaved, one word of each in turn, so the
+/// three chains overlap.
+pub fn regs3(pieces: [&[u8]; 3]) -> [u32; 3] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("sse4.2") {
+            // SAFETY: the instruction is there (checked above).
+            return unsafe { regs3_sse42(pieces) };
+        }
+    }
+    pieces.map(|p| update(0, p))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+unsafe fn regs3_sse42(pieces: [&[u8]; 3]) -> [u32; 3] {
+    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
+    let words = pieces.iter().map(|p| p.len() / 8).min().unwrap();
+    let mut regs = [0u64; 3];
+    let word = |p: &[u8], i: usize| u64::from_le_bytes(p[8 * i..8 * i + 8].try_into().unwrap());
+    for i in 0..words {
+        for k in 0..3 {
+            regs[k] = _mm_crc32_u64(regs[k], word(pieces[k], i));
+        }
+    }
+    let mut out = [0u32; 3];
+    for k in 0..3 {
+        let rest = &pieces[k][8 * words..];
+        let mut chunks = rest.chunks_exact(8);
+        let mut r = regs[k];
+        for w in chunks.by_ref() {
+            r = _mm_crc32_u64(r, u64::from_le_bytes(w.try_into().unwrap()));
+        }
+        let mut r = r as u32;
+        for &b in chunks.remainder() {
+            r = _mm_crc32_u8(r, b);
+        }
+        out[k] = r;
+    }
+    out
+}
+
 /// What the CRC-32C of `n` bytes adds to their unconditioned register: `crc32c(d) ==
 /// update(0, d) ^ zeros_constant(d.len())`.
 pub fn zeros_constant(n: u64) -> u32 {
     !shift(!0, n)
 }
 
+/// `reg -> shift(reg, n)` for one `n`, as four byte tables (the map is linear: the XOR of its
+/// images of each byte of `reg`).
+struct ZerosTable([[u32; 256]; 4]);
+
+impl ZerosTable {
+    fn new(n: u64) -> Box<Self> {
+        let op = zeros_op(n);
+        let mut t = Box::new(ZerosTable([[0; 256]; 4]));
+        for (k, table) in t.0.iter_mut().enumerate() {
+            for bit in 0..8 {
+                let v = mul_mod(op, 1u32 << (8 * k + bit));
+                let step = 1usize << bit;
+                for b in 0..step {
+                    table[b | step] = table[b] ^ v;
+                }
+            }
+        }
+        t
+    }
+    fn apply(&self, reg: u32) -> u32 {
+        let b = reg.to_le_bytes();
+        self.0[0][b[0] as usize]
+            ^ self.0[1][b[1] as usize]
+            ^ self.0[2][b[2] as usize]
+            ^ self.0[3][b[3] as usize]
+    }
+}
+
 /// One reader's fold of its pieces of a block of `len` bytes: fed in order of their offsets
 /// (a byte fed twice, by overlapping pieces, counts once), then `finish`ed into its share.
-#[derive(Clone, Debug)]
 pub struct Parts {
     reg: u32,
     pos: u64,
     len: u64,
-    // the last gap shifted over and its operator: rows of one stride repeat it
-    gap: (u64, u32),
+    // the last gap shifted over and its table: pieces of one stride repeat it
+    gap: Option<(u64, Box<ZerosTable>)>,
+    // the gap before that, shifted over once (a table pays from the second use)
+    seen: u64,
 }
 
 impl Parts {
@@ -117,17 +195,33 @@ impl Parts {
             reg: 0,
             pos: 0,
             len,
-            gap: (0, 1 << 31),
+            gap: None,
+            seen: u64::MAX,
         }
     }
     fn skip(&mut self, n: u64) {
         if n == 0 || self.reg == 0 {
             return;
         }
-        if self.gap.0 != n {
-            self.gap = (n, zeros_op(n));
+        match &self.gap {
+            Some((g, t)) if *g == n => self.reg = t.apply(self.reg),
+            _ if self.seen == n => {
+                let t = ZerosTable::new(n);
+                self.reg = t.apply(self.reg);
+                self.gap = Some((n, t));
+            }
+            _ => {
+                self.seen = n;
+                self.reg = shift(self.reg, n);
+            }
         }
-        self.reg = mul_mod(self.gap.1, self.reg);
+    }
+    /// A piece of `len` bytes at offset `at` of the block, at or after the end of the last one,
+    /// by its register from 0 (`update(0, piece)`, from [`regs3`]).
+    pub fn feed_reg(&mut self, at: u64, len: u64, reg: u32) {
+        self.skip(at + len - self.pos);
+        self.reg ^= reg;
+        self.pos = at + len;
     }
     /// Bytes `data` at offset `at` of the block (`at + data.len() <= len`).
     pub fn feed(&mut self, at: u64, mut data: &[u8]) {

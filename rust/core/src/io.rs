@@ -492,9 +492,9 @@ pub fn read_from_trusting(
             if !verify && wanted < len {
                 // Only the pieces are wanted: copied out of a mapping, where there is one.
                 // A split block's share folded from each piece as it lands, while it is in the cache.
-                let mut seen = |off: u64, b: &[u8]| {
+                let mut seen = |batch: &[(u64, &mut [u8])]| {
                     if let Some(fold) = fold.as_mut() {
-                        fold.feed(off, b)
+                        fold.feed_parts(batch)
                     }
                 };
                 if let Some(done) = f.copy_parts(ch.offset + u.start, parts, &mut seen) {
@@ -549,7 +549,7 @@ pub fn read_from_trusting(
         let fed = read_unit(&mut u, &mut fold)?;
         if let Some(mut fold) = fold {
             if !fed {
-                u.parts.iter().for_each(|(off, dst)| fold.feed(*off, dst));
+                fold.feed_parts(&u.parts);
             }
             shares.lock().unwrap().extend(fold.finish());
         }
@@ -661,6 +661,50 @@ impl UnitShares {
             out: Vec::new(),
         }
     }
+    /// Parts `(offset from the unit's start, bytes)`, in order of their offsets: three at a time
+    /// through `checksum::regs3` where they are short and follow one another inside one block,
+    /// else one by one.
+    fn feed_parts(&mut self, parts: &[(u64, &mut [u8])]) {
+        let mut i = 0;
+        while i < parts.len() {
+            if let Some(three) = parts.get(i..i + 3).filter(|p| self.apart(p)) {
+                let regs = checksum::regs3([&*three[0].1, &*three[1].1, &*three[2].1]);
+                let b = (self.start + three[0].0) / self.bs;
+                let base = b * self.bs - self.start;
+                let fold = self.block(b);
+                for ((off, dst), reg) in three.iter().zip(regs) {
+                    fold.feed_reg(off - base, dst.len() as u64, reg);
+                }
+                self.pos = self.start + three[2].0 + three[2].1.len() as u64;
+                i += 3;
+            } else {
+                self.feed(parts[i].0, parts[i].1);
+                i += 1;
+            }
+        }
+    }
+    /// Whether `parts` are short but not empty, each starting at or after the end of the one
+    /// before (the first at or after everything fed so far), and all inside one block.
+    fn apart(&self, parts: &[(u64, &mut [u8])]) -> bool {
+        let mut end = self.pos;
+        for (off, dst) in parts {
+            let at = self.start + off;
+            if dst.is_empty() || dst.len() > checksum::SHORT || at < end {
+                return false;
+            }
+            end = at + dst.len() as u64;
+        }
+        (self.start + parts[0].0) / self.bs == (end - 1) / self.bs
+    }
+    /// The fold of block `b`, after those of the blocks before it.
+    fn block(&mut self, b: u64) -> &mut checksum::Parts {
+        if self.cur.as_ref().is_none_or(|c| c.0 != b) {
+            self.flush();
+            let (lo, hi) = (b * self.bs, ((b + 1) * self.bs).min(self.clen));
+            self.cur = Some((b, checksum::Parts::new(hi - lo)));
+        }
+        &mut self.cur.as_mut().unwrap().1
+    }
     /// Bytes `data` at `off` from the unit's start.
     fn feed(&mut self, off: u64, mut data: &[u8]) {
         let mut at = self.start + off;
@@ -675,12 +719,8 @@ impl UnitShares {
         while !data.is_empty() {
             let b = at / self.bs;
             let (lo, hi) = (b * self.bs, ((b + 1) * self.bs).min(self.clen));
-            if self.cur.as_ref().is_none_or(|c| c.0 != b) {
-                self.flush();
-                self.cur = Some((b, checksum::Parts::new(hi - lo)));
-            }
             let n = data.len().min((hi - at) as usize);
-            self.cur.as_mut().unwrap().1.feed(at - lo, &data[..n]);
+            self.block(b).feed(at - lo, &data[..n]);
             at += n as u64;
             data = &data[n..];
         }

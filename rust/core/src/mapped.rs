@@ -14,6 +14,8 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use crate::storage::Part;
+
 /// Mappings in use at once (one per data file a read has open); a file that finds no slot free
 /// is read instead of mapped.
 const SLOTS: usize = 1024;
@@ -194,33 +196,36 @@ impl MappedFile {
         r == 0 && vec.iter().all(|v| v & 1 == 1)
     }
 
-    /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file, each
-    /// handed to `seen` with its offset once copied. `UnexpectedEof` where the file was cut short
-    /// under the mapping (here or in another copy out of it: the bytes may then be zeros).
+    /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file, handing
+    /// them to `seen` a few at a time once copied (while they are in the cache). `UnexpectedEof`
+    /// where the file was cut short under the mapping (here or in another copy out of it: the
+    /// bytes may then be zeros).
     pub(crate) fn copy_parts(
         &self,
         at: u64,
         parts: &mut [(u64, &mut [u8])],
-        seen: &mut dyn FnMut(u64, &[u8]),
+        seen: &mut dyn FnMut(&[Part<'_>]),
     ) -> std::io::Result<()> {
         let short = || Err(std::io::ErrorKind::UnexpectedEof.into());
-        for (off, dst) in parts.iter_mut() {
-            let start = at.checked_add(*off).and_then(|s| usize::try_from(s).ok());
-            let Some(start) =
-                start.filter(|s| s.checked_add(dst.len()).is_some_and(|e| e <= self.len))
-            else {
-                return short();
-            };
-            // SAFETY: inside the mapping (checked above); a page the file lost under us reads as
-            // zeros (`on_sigbus`) and the copy is then refused below.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (self.base as *const u8).add(start),
-                    dst.as_mut_ptr(),
-                    dst.len(),
-                )
-            };
-            seen(*off, dst);
+        for batch in parts.chunks_mut(SEEN_PARTS) {
+            for (off, dst) in batch.iter_mut() {
+                let start = at.checked_add(*off).and_then(|s| usize::try_from(s).ok());
+                let Some(start) =
+                    start.filter(|s| s.checked_add(dst.len()).is_some_and(|e| e <= self.len))
+                else {
+                    return short();
+                };
+                // SAFETY: inside the mapping (checked above); a page the file lost under us reads
+                // as zeros (`on_sigbus`) and the copy is then refused below.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (self.base as *const u8).add(start),
+                        dst.as_mut_ptr(),
+                        dst.len(),
+                    )
+                };
+            }
+            seen(batch);
         }
         if self.slot.faulted.load(Ordering::Acquire) {
             return short();
@@ -228,6 +233,9 @@ impl MappedFile {
         Ok(())
     }
 }
+
+/// Parts handed to `copy_parts`'s `seen` at a time.
+const SEEN_PARTS: usize = 24;
 
 impl Drop for MappedFile {
     fn drop(&mut self) {
@@ -258,12 +266,12 @@ mod tests {
         let map = MappedFile::new(&file, data.len() as u64).unwrap();
         let (mut a, mut b) = (vec![0u8; 10], vec![0u8; 5000]);
         let mut parts = [(1u64, &mut a[..]), (4000u64, &mut b[..])];
-        map.copy_parts(100, &mut parts, &mut |_, _| ()).unwrap();
+        map.copy_parts(100, &mut parts, &mut |_| ()).unwrap();
         assert_eq!(a, data[101..111]);
         assert_eq!(b, data[4100..9100]);
         let mut past = [(0u64, &mut a[..])];
         let e = map
-            .copy_parts(data.len() as u64 - 5, &mut past, &mut |_, _| ())
+            .copy_parts(data.len() as u64 - 5, &mut past, &mut |_| ())
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         // Just written: in the page cache (the range past the end is not a range of the file).
@@ -274,7 +282,7 @@ mod tests {
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let dropped = !map.resident(0, 4096);
         let mut c = [0u8; 4];
-        map.copy_parts(0, &mut [(0, &mut c[..])], &mut |_, _| ())
+        map.copy_parts(0, &mut [(0, &mut c[..])], &mut |_| ())
             .unwrap();
         assert!(!dropped || map.resident(0, 4096));
     }
@@ -287,13 +295,13 @@ mod tests {
         f.as_file().set_len(1000).unwrap();
         let mut got = [9u8; 16];
         let e = map
-            .copy_parts(40_000, &mut [(0, &mut got[..])], &mut |_, _| ())
+            .copy_parts(40_000, &mut [(0, &mut got[..])], &mut |_| ())
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         assert_eq!(got, [0u8; 16]);
         // Every later copy out of it is refused too, even of bytes the file still has.
         let e = map
-            .copy_parts(0, &mut [(0, &mut got[..])], &mut |_, _| ())
+            .copy_parts(0, &mut [(0, &mut got[..])], &mut |_| ())
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
     }

@@ -49,6 +49,9 @@ impl IoCounters {
     }
 }
 
+/// A piece of a read: its offset in the range read, and its destination.
+pub type Part<'a> = (u64, &'a mut [u8]);
+
 /// A data object open for positional I/O.
 pub trait Object: Send + Sync {
     /// Size in bytes when opened.
@@ -77,14 +80,14 @@ pub trait Object: Send + Sync {
         None
     }
     /// Copies `parts` (`(offset from at, destination)`) out of bytes `at..` without reading the
-    /// bytes between them (a local file's mapping, where its pages are in the page cache), each
-    /// handed to `seen` with its offset once copied, or `None` where this object cannot or should
+    /// bytes between them (a local file's mapping, where its pages are in the page cache), handing
+    /// them to `seen` a few at a time once copied, or `None` where this object cannot or should
     /// not (the caller then reads the range). A short object is `UnexpectedEof`.
     fn copy_parts(
         &self,
         _at: u64,
         _parts: &mut [(u64, &mut [u8])],
-        _seen: &mut dyn FnMut(u64, &[u8]),
+        _seen: &mut dyn FnMut(&[Part<'_>]),
     ) -> Option<std::io::Result<()>> {
         None
     }
@@ -422,7 +425,7 @@ impl Object for LocalObject {
         &self,
         at: u64,
         parts: &mut [(u64, &mut [u8])],
-        seen: &mut dyn FnMut(u64, &[u8]),
+        seen: &mut dyn FnMut(&[Part<'_>]),
     ) -> Option<std::io::Result<()>> {
         let map = self
             .map

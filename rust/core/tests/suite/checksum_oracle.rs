@@ -6,7 +6,7 @@
 
 use std::io::Write;
 
-use olmo_chunks_core::checksum::{crc32c, shift, update, zeros_constant, Crc32c, Parts};
+use olmo_chunks_core::checksum::{crc32c, regs3, shift, update, zeros_constant, Crc32c, Parts};
 use olmo_chunks_core::storage::SEEN_WINDOW;
 use olmo_chunks_core::{LocalFs, Storage};
 use proptest::prelude::*;
@@ -74,6 +74,28 @@ proptest! {
         let mut bad = data.clone();
         bad[flip.index(n)] ^= 0x10;
         prop_assert_ne!(fold(&bad), crc32c::crc32c(&data));
+    }
+
+    /// Three pieces' registers at once (interleaved where the CPU has the instruction), of any
+    /// lengths, and a fold fed them by register, against feeding their bytes.
+    #[test]
+    fn three_registers_at_once_equal_one_at_a_time(
+        data in proptest::collection::vec(any::<u8>(), 0..3000),
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 5),
+    ) {
+        let mut at: Vec<usize> = cuts.iter().map(|i| i.index(data.len() + 1)).collect();
+        at.sort_unstable();
+        let pieces = [&data[at[0]..at[1]], &data[at[2]..at[3]], &data[at[3]..at[4]]];
+        prop_assert_eq!(regs3(pieces), pieces.map(|p| update(0, p)));
+        let n = data.len() as u64;
+        let (mut by_reg, mut by_bytes) = (Parts::new(n), Parts::new(n));
+        for (&(a, b), reg) in [(at[0], at[1]), (at[2], at[3]), (at[3], at[4])].iter().zip(regs3(pieces)) {
+            if b > a {
+                by_reg.feed_reg(a as u64, (b - a) as u64, reg);
+                by_bytes.feed(a as u64, &data[a..b]);
+            }
+        }
+        prop_assert_eq!(by_reg.finish(), by_bytes.finish());
     }
 
     #[test]
