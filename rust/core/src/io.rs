@@ -387,9 +387,8 @@ pub fn read_from(
 }
 
 /// [`read_from`], but blocks `(chunk, block)` of `checks.trusted` are not checked whole: another
-/// rank on this host reads each of them whole and checks it, or (`checks.split`) the ranks of the
-/// host that need it each fold a share of its checksum from their own bytes
-/// (`coop::delegate_checks`). This rank then copies only its pieces of them, out of a mapping
+/// rank on this host reads each of them whole and checks it, or (`checks.split`) the ranks that
+/// need it each fold a share of its checksum from their own bytes (`coop::delegate_checks`). This rank then copies only its pieces of them, out of a mapping
 /// where the storage has one, and returns its shares `(chunk, block, share)` of the split blocks,
 /// sorted (`coop::check_shares` checks them).
 pub fn read_from_trusting(
