@@ -313,6 +313,32 @@ def test_the_dcp_door_reads_once_too(saved):
     assert sum(n for n, _ in direct) - 4 * manifest == pytest.approx(4 * CHECKPOINT, rel=0.02)
 
 
+def load_through_dcp_fast(path: str, layout: str) -> tuple[int, bool]:
+    """`load_through_dcp` with `read="auto"` from storage said to be fast (so read directly)."""
+    os.environ["OLMO_CHUNKS_STORAGE_GBPS"] = "1000"
+    try:
+        return load_through_dcp(path, layout, "auto")
+    finally:
+        os.environ.pop("OLMO_CHUNKS_STORAGE_GBPS", None)
+
+
+def test_the_dcp_door_checks_blocks_in_part_too(saved, tmp_path):
+    # S0 -> S1 read directly through DCP: each rank folds its share of every block (no rank reads
+    # one whole), and a flipped byte fails every rank in the fill's last step.
+    manifest = len(_core.Manifest.read_bytes(saved["S0"]))
+    got = world.run(4, load_through_dcp_fast, saved["S0"], "S1")
+    assert all(exact for _, exact in got)
+    assert sum(n for n, _ in got) - 4 * manifest == CHECKPOINT
+    path = str(tmp_path / "corrupt")
+    _flip_a_byte(saved["S0"], path)
+    with pytest.raises(world.WorldError) as err:
+        world.run(4, load_through_dcp_fast, path, "S1")
+    # DCP wraps each rank's failure in its own exception; rank 0's names the block.
+    assert [f.type_name for f in err.value.failures] == ["CheckpointException"] * 4
+    assert "ChecksumError" in err.value.failures[0].message
+    assert "checksum mismatch in tensor" in err.value.failures[0].message
+
+
 def test_rounds_stay_within_the_staging_budget(saved):
     budget = 6 << 20
     results = world.run(4, load_as, saved["S0"], "R", "once", budget)
