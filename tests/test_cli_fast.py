@@ -105,3 +105,14 @@ def test_progress_bars_only_on_a_terminal(ckpt: Path, tmp_path: Path, monkeypatc
         (tmp_path / "f.bin").write_bytes(b"x" * 3000)
         time.sleep(1.2)
     assert "export" in tty.getvalue() and "2.93k" in tty.getvalue()  # 3000 bytes, in KiB
+
+
+def test_a_bench_that_would_fill_the_disk_is_refused_before_it_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A full disk mid-run left the ranks unable to write their errors down ("EOFError: Ran out of
+    # input"); the room the run needs is checked first, and nothing is spawned or written.
+    assert cli.main(["bench", "--dir", str(tmp_path), "--size-gb", "100000"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("olmo-chunks bench: error: the benchmark of a 100000 GiB state holds about "), err
+    assert f"under {tmp_path} and " in err and "pass --dir on a larger filesystem" in err, err
+    assert not list(tmp_path.iterdir())

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import StorageError
+
 __all__ = [
     "PAIRS",
     "Layout",
@@ -888,10 +890,30 @@ def _spawned(rank: int, size: int, rendezvous: str, opts: Options, out: str) -> 
         dist.destroy_process_group()
 
 
+def room_needed(opts: Options) -> int:
+    """Bytes the benchmark holds at once under its local directory: per saved layout, the raw
+    files, each contender's checkpoint, and the four checkpoints of the stall rows, each about the
+    state's size."""
+    copies = 1 + 2 + len(_dcp_thread_counts(opts)) + 4
+    return int(copies * state_nbytes(model_spec(opts.size_bytes)) * 1.05)
+
+
+def _check_room(opts: Options) -> None:
+    """`StorageError` now, rather than a full disk mid-run (where a rank's error cannot even be
+    written down for the others), if the local directory has not the room `room_needed` says."""
+    need, free = room_needed(opts), shutil.disk_usage(opts.root).free
+    if need > free:
+        raise StorageError(
+            f"the benchmark of a {opts.size_bytes / 2**30:g} GiB state holds about {need / 1e9:.1f} GB at once "
+            f"under {opts.root} and {free / 1e9:.1f} GB is free there: pass --dir on a larger filesystem or a "
+            "smaller --size-gb")
+
+
 def run(opts: Options) -> dict[str, Any]:
     """Spawns a world of `WORLD` processes, runs the benchmark and returns rank 0's figures."""
     import torch.multiprocessing as mp
 
+    _check_room(opts)
     tmp = tempfile.mkdtemp(prefix="olmo-chunks-bench-", dir=opts.root)
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
