@@ -44,7 +44,6 @@ __all__ = [
     "plan_read_once",
     "read_pace",
     "set_read_pace",
-    "split_mismatch",
     "write_chunks",
 ]
 
@@ -310,7 +309,8 @@ class Rates:
 class ReadChoice:
     """`plan_read_once`'s answer: the ranks' plans (None: each rank reads its own), the
     predicted seconds of reading directly and once (None without rates), and, read directly with
-    hosts given, each rank's blocks another rank of its host checks (`ReadOnce.load`'s `trusted`)."""
+    hosts given, each rank's blocks another rank of its host checks or its ranks check in part
+    (`ReadOnce.load`'s `trusted`), and what their shares of the latter XOR to (`split_sum`)."""
 
     @property
     def plans(self) -> list[bytes] | None: ...
@@ -320,6 +320,8 @@ class ReadChoice:
     def once_s(self) -> float | None: ...
     @property
     def trusted(self) -> list[bytes] | None: ...
+    @property
+    def split_sum(self) -> int | None: ...
 
 def plan_read_once(
     manifest: Manifest,
@@ -330,7 +332,6 @@ def plan_read_once(
     hosts: list[int] | None = None,
 ) -> ReadChoice: ...
 def blocks_shared(needs: list[bytes]) -> bool: ...
-def split_mismatch(manifest: Manifest, trusted: list[bytes | None], sums: list[int | None]) -> bool: ...
 def check_shares(manifest: Manifest, shares: list[bytes]) -> None: ...
 def io_counters() -> tuple[int, int]: ...
 def assign_writers(held: list[list[tuple[int, int]]]) -> list[list[int]]: ...

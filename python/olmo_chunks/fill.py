@@ -20,7 +20,9 @@ When no block is needed by two ranks, every rank reads its own, as with `read="d
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import operator
 import os
 import socket
 import time
@@ -146,10 +148,8 @@ class FillStep:
         word = outcome.shares[0] if outcome.shares is not None else None
 
         def root(got: list[tuple[Any, int | None]]) -> bool:
-            if all(g[1] is None for g in got):
-                return False
-            assert once.plans is not None, "shares of a load whose checks were not delegated"
-            return _core.split_mismatch(self.manifest, list(once.plans), [g[1] for g in got])
+            words = [g[1] for g in got if g[1] is not None]
+            return bool(words) and functools.reduce(operator.xor, words) != once.split_sum
 
         mine, bad = group.exchange(lambda: (fn(), word), root)
         result: T = mine[0]
@@ -344,6 +344,7 @@ class _ReadOnce:
         self.inline = max(256, INLINE_BYTES // group.size)
         self.needs: list[bytes] = []
         self.plans: list[bytes] | None = None  # rank 0's: each rank's plan, or what it trusts (`decide`)
+        self.split_sum: int | None = None  # rank 0's: what the ranks' shares XOR to (`decide`)
         self.hosts: list[int] | None = None
 
     def describe(self) -> tuple[bool, list[str], bytes | None, int, bool]:
@@ -377,7 +378,7 @@ class _ReadOnce:
         if choice.plans is not None:
             self.plans = choice.plans
             return "once", choice.direct_s, choice.once_s, why, True
-        self.plans = choice.trusted
+        self.plans, self.split_sum = choice.trusted, choice.split_sum
         if choice.trusted is not None:
             why += ("; " if why else "") + DELEGATED
         return "direct", choice.direct_s, choice.once_s, why, self.plans is not None

@@ -464,7 +464,8 @@ impl PyReadOnce {
     /// With `trusted` (this rank's item of `ReadChoice.trusted`), the blocks another rank of this
     /// host checks, or that its ranks check in part, are not checked whole here, and only this
     /// rank's bytes of them are read. Returns this rank's shares of the blocks checked in part
-    /// (`(xor of them, their wire form)`, for `split_mismatch` and `check_shares`), or `None`.
+    /// (`(xor of them, their wire form)`, against `ReadChoice.split_sum` and for `check_shares`),
+    /// or `None`.
     #[pyo3(signature = (buffers, verify=true, workers=None, trusted=None))]
     fn load(
         &mut self,
@@ -647,14 +648,14 @@ fn plan_read_once(
             CoreError::InvalidArgument("one host per rank's needs".into()),
         ));
     }
-    let (plans, predicted, trusted) = detach(py, move || {
+    let (plans, predicted, trusted, split_sum) = detach(py, move || {
         let needs = needs
             .iter()
             .map(|b| core::coop::decode_needs(b))
             .collect::<core::Result<Vec<_>>>()?;
         let shared = core::coop::shared(&needs);
         if !force && !shared && rates.is_none() {
-            return Ok((None, None, None));
+            return Ok((None, None, None, None));
         }
         let plans = core::coop::plan(&m, &needs, budget)?;
         let trusted = hosts
@@ -665,10 +666,16 @@ fn plan_read_once(
         let predicted = rates.map(|r| core::coop::predict(&direct, &plans, &r));
         let once = force || (shared && predicted.is_none_or(|p| p.once < p.direct));
         let plans = once.then(|| plans.iter().map(|p| p.encode()).collect::<Vec<_>>());
-        let trusted = trusted
-            .filter(|_| !once)
-            .map(|t| t.iter().map(core::coop::encode_checks).collect::<Vec<_>>());
-        Ok((plans, predicted, trusted))
+        let trusted = trusted.filter(|_| !once);
+        let split_sum = trusted.as_ref().map(|t| {
+            let mut split: Vec<(u64, u64)> =
+                t.iter().flat_map(|c| c.split.iter().copied()).collect();
+            split.sort_unstable();
+            split.dedup();
+            core::coop::split_sum(&m, &split)
+        });
+        let trusted = trusted.map(|t| t.iter().map(core::coop::encode_checks).collect::<Vec<_>>());
+        Ok((plans, predicted, trusted, split_sum))
     })?;
     let to_py = |ps: Vec<Vec<u8>>| {
         ps.iter()
@@ -680,36 +687,7 @@ fn plan_read_once(
         direct_s: predicted.map(|p| p.direct),
         once_s: predicted.map(|p| p.once),
         trusted: trusted.map(to_py),
-    })
-}
-
-/// Whether the shares of the blocks checked in part fail to add up, in the last step of a load
-/// read directly: each rank's item of `ReadChoice.trusted` (`None`: it trusted nothing) and the
-/// XOR of its shares (`ReadOnce.load`'s first item; `None`: it split nothing). The shares XOR to
-/// `core::coop::split_sum` of the blocks split when every byte is as saved.
-#[pyfunction]
-fn split_mismatch(
-    py: Python<'_>,
-    manifest: &PyManifest,
-    trusted: Vec<Option<Vec<u8>>>,
-    sums: Vec<Option<u32>>,
-) -> PyResult<bool> {
-    if trusted.len() != sums.len() {
-        return Err(to_pyerr(
-            py,
-            CoreError::InvalidArgument("one sum per rank's trusted blocks".into()),
-        ));
-    }
-    let m = manifest.inner.clone();
-    detach(py, move || {
-        let mut blocks = Vec::new();
-        for t in trusted.iter().flatten() {
-            blocks.extend(core::coop::decode_checks(&m, t)?.split);
-        }
-        blocks.sort_unstable();
-        blocks.dedup();
-        let sum = sums.iter().flatten().fold(0, |x, s| x ^ s);
-        Ok(core::coop::split_sum(&m, &blocks) != sum)
+        split_sum,
     })
 }
 
@@ -1579,7 +1557,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHeartbeat>()?;
     m.add_function(wrap_pyfunction!(plan_read_once, m)?)?;
     m.add_function(wrap_pyfunction!(blocks_shared, m)?)?;
-    m.add_function(wrap_pyfunction!(split_mismatch, m)?)?;
     m.add_function(wrap_pyfunction!(check_shares, m)?)?;
     m.add_function(wrap_pyfunction!(io_counters, m)?)?;
     m.add_function(wrap_pyfunction!(assign_writers, m)?)?;

@@ -387,12 +387,14 @@ impl PyRates {
 
 /// `plan_read_once`'s answer: the ranks' plans, or `None` when each rank reads its own, and the
 /// predicted seconds of reading directly and once (`None` without rates). Read directly with
-/// `hosts` given, `trusted` has each rank's blocks that another rank of its host checks (the
-/// argument `ReadOnce.load` takes).
+/// `hosts` given, `trusted` has each rank's blocks that another rank of its host checks, or that
+/// its ranks check in part (the argument `ReadOnce.load` takes), and `split_sum` what the ranks'
+/// shares of the latter XOR to when every byte is as saved (`core::coop::split_sum`).
 #[pyclass(name = "ReadChoice", module = "olmo_chunks._core", frozen, get_all)]
 pub struct PyReadChoice {
     pub plans: Option<Vec<Py<pyo3::types::PyBytes>>>,
     pub direct_s: Option<f64>,
     pub once_s: Option<f64>,
     pub trusted: Option<Vec<Py<pyo3::types::PyBytes>>>,
+    pub split_sum: Option<u32>,
 }
