@@ -239,7 +239,14 @@ impl Parts {
     }
     /// This reader's share: its register with zeros to the block's end.
     pub fn finish(mut self) -> u32 {
+        self.restart(0)
+    }
+    /// This reader's share, as `finish`, and a fresh fold of the next block, of `len` bytes, that
+    /// keeps the gap tables (pieces of one stride repeat their gap block after block).
+    pub fn restart(&mut self, len: u64) -> u32 {
         self.skip(self.len - self.pos.min(self.len));
-        self.reg
+        let share = self.reg;
+        (self.reg, self.pos, self.len) = (0, 0, len);
+        share
     }
 }

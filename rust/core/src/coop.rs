@@ -411,12 +411,12 @@ pub fn check_shares(
         let found = x ^ checksum::zeros_constant(block_len(m, c, b));
         let expected = m.chunk_checksums(ch)[b as usize];
         if found != expected {
-            let t = m.chunk_start.partition_point(|&s| s <= c as usize) - 1;
+            let (key, chunk) = crate::io::chunk_name(m, c as usize);
             let start = ch.offset + b * m.block_size;
             return Err(CoreError::ChecksumMismatch {
                 path: name(&m.files[ch.file as usize].path),
-                key: m.tensors[t].key.clone(),
-                chunk: c as usize - m.chunk_start[t],
+                key,
+                chunk,
                 start,
                 end: start + block_len(m, c, b),
                 expected,

@@ -310,7 +310,7 @@ fn check_extent(m: &Manifest, c: usize, path: &Path, size: u64) -> Result<()> {
 }
 
 /// Names the tensor and chunk-in-tensor of manifest chunk `c`, for errors.
-fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
+pub(crate) fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
     let t = m.chunk_start.partition_point(|&s| s <= c) - 1;
     (m.tensors[t].key.clone(), c - m.chunk_start[t])
 }
@@ -644,7 +644,9 @@ struct UnitShares {
     clen: u64,
     start: u64,
     pos: u64,
-    cur: Option<(u64, checksum::Parts)>,
+    // the block being folded, if any, and its fold (reused block to block: it keeps its tables)
+    cur: Option<u64>,
+    fold: checksum::Parts,
     out: Vec<(u64, u64, u32)>,
 }
 
@@ -657,6 +659,7 @@ impl UnitShares {
             start,
             pos: start,
             cur: None,
+            fold: checksum::Parts::new(0),
             out: Vec::new(),
         }
     }
@@ -697,12 +700,12 @@ impl UnitShares {
     }
     /// The fold of block `b`, after those of the blocks before it.
     fn block(&mut self, b: u64) -> &mut checksum::Parts {
-        if self.cur.as_ref().is_none_or(|c| c.0 != b) {
-            self.flush();
+        if self.cur != Some(b) {
             let (lo, hi) = (b * self.bs, ((b + 1) * self.bs).min(self.clen));
-            self.cur = Some((b, checksum::Parts::new(hi - lo)));
+            self.flush(hi - lo);
+            self.cur = Some(b);
         }
-        &mut self.cur.as_mut().unwrap().1
+        &mut self.fold
     }
     /// Bytes `data` at `off` from the unit's start.
     fn feed(&mut self, off: u64, mut data: &[u8]) {
@@ -725,13 +728,15 @@ impl UnitShares {
         }
         self.pos = end;
     }
-    fn flush(&mut self) {
-        if let Some((b, parts)) = self.cur.take() {
-            self.out.push((self.chunk, b, parts.finish()));
+    /// Ends the block being folded, if any, and starts a fold of `len` bytes.
+    fn flush(&mut self, len: u64) {
+        let share = self.fold.restart(len);
+        if let Some(b) = self.cur.take() {
+            self.out.push((self.chunk, b, share));
         }
     }
     fn finish(mut self) -> Vec<(u64, u64, u32)> {
-        self.flush();
+        self.flush(0);
         self.out
     }
 }
