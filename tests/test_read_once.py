@@ -313,9 +313,22 @@ def test_the_dcp_door_reads_once_too(saved):
     assert sum(n for n, _ in direct) - 4 * manifest == pytest.approx(4 * CHECKPOINT, rel=0.02)
 
 
+def _warm(path: str) -> None:
+    """Reads the checkpoint's files through the page cache: a rank copies its pieces of a block out
+    of a mapping only where the block is resident (else it reads whole windows), and the suite's
+    other I/O may have evicted a checkpoint saved minutes ago."""
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                while f.read(1 << 20):
+                    pass
+
+
 def load_through_dcp_fast(path: str, layout: str) -> tuple[int, bool]:
-    """`load_through_dcp` with `read="auto"` from storage said to be fast (so read directly)."""
+    """`load_through_dcp` with `read="auto"` from storage said to be fast (so read directly), the
+    checkpoint warm."""
     os.environ["OLMO_CHUNKS_STORAGE_GBPS"] = "1000"
+    _warm(path)
     try:
         return load_through_dcp(path, layout, "auto")
     finally:
@@ -469,9 +482,10 @@ def _flip_a_byte(saved: str, path: str) -> None:
 
 def load_delegated(path: str, layout: str, own_host: bool):
     """An auto load from fast storage (so read directly) on this world, every rank on this machine
-    or (`own_host`) each claiming a host of its own; returns (exact, read mode, why, bytes this
-    rank read from storage)."""
+    or (`own_host`) each claiming a host of its own, the checkpoint warm; returns (exact, read
+    mode, why, bytes this rank read from storage)."""
     os.environ["OLMO_CHUNKS_STORAGE_GBPS"] = "1000"
+    _warm(path)
     if own_host:
         os.environ["OLMO_CHUNKS_HOST"] = f"host-{dist.get_rank()}"
     try:
