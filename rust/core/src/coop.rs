@@ -126,7 +126,7 @@ pub fn needs(m: &Manifest, copies: &[ByteCopy]) -> Vec<Need> {
             ));
         }
     }
-    pieces.sort_unstable();
+    pieces.sort();
     let mut out = Vec::new();
     let mut fold = Fold::default();
     for (chunk, block, a, b) in pieces {

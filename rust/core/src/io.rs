@@ -321,15 +321,39 @@ pub(crate) fn carve<'a>(
     copies: &[ByteCopy],
     dests: Vec<&'a mut [u8]>,
 ) -> Result<Vec<&'a mut [u8]>> {
-    let mut order: Vec<usize> = (0..copies.len()).collect();
-    order.sort_unstable_by_key(|&i| (copies[i].dst, copies[i].dst_off));
+    // By destination (a counting sort, keeping the copies' order within each), then by offset in
+    // it where that order is not already the offsets' (the copies of one destination mostly come in
+    // its order; the destinations do not come in theirs).
+    let outside = |c: &ByteCopy| {
+        CoreError::InvalidArgument(format!("copy {c:?} lies outside its destination"))
+    };
+    let mut at = vec![0usize; dests.len() + 1];
+    for c in copies {
+        if c.dst >= dests.len() {
+            return Err(outside(c));
+        }
+        at[c.dst + 1] += 1;
+    }
+    for d in 0..dests.len() {
+        at[d + 1] += at[d];
+    }
+    let bounds = at.clone();
+    let mut order = vec![0usize; copies.len()];
+    for (i, c) in copies.iter().enumerate() {
+        order[at[c.dst]] = i;
+        at[c.dst] += 1;
+    }
+    for w in bounds.windows(2) {
+        let same = &mut order[w[0]..w[1]];
+        if !same.is_sorted_by_key(|&i| copies[i].dst_off) {
+            same.sort_unstable_by_key(|&i| copies[i].dst_off);
+        }
+    }
     let mut slices: Vec<Option<&mut [u8]>> = (0..copies.len()).map(|_| None).collect();
     let mut rest: Vec<Option<(u64, &mut [u8])>> = dests.into_iter().map(|d| Some((0, d))).collect();
     for &i in &order {
         let c = copies[i];
-        let outside =
-            || CoreError::InvalidArgument(format!("copy {c:?} lies outside its destination"));
-        let (cursor, buf) = rest.get_mut(c.dst).ok_or_else(outside)?.take().unwrap();
+        let (cursor, buf) = rest[c.dst].take().unwrap();
         if c.dst_off < cursor {
             return Err(CoreError::InvalidArgument(format!(
                 "destination ranges overlap in buffer {}",
@@ -341,7 +365,7 @@ pub(crate) fn carve<'a>(
             .checked_add(c.len)
             .filter(|&e| e - cursor <= buf.len() as u64);
         if end.is_none() {
-            return Err(outside());
+            return Err(outside(&c));
         }
         let (_, tail) = buf.split_at_mut((c.dst_off - cursor) as usize);
         let (mine, tail) = tail.split_at_mut(c.len as usize);
@@ -980,7 +1004,7 @@ fn make_units<'a>(
     let unit_max = MAX_UNIT.next_multiple_of(bs);
     // By chunk and source: the order `plan_copies` makes them in, so the sort mostly finds it.
     let mut order: Vec<usize> = (0..copies.len()).collect();
-    order.sort_unstable_by_key(|&i| (copies[i].chunk, copies[i].src));
+    order.sort_by_key(|&i| (copies[i].chunk, copies[i].src));
     let mut units: Vec<Unit<'a>> = Vec::new();
     let mut k = 0;
     while k < order.len() {
