@@ -192,15 +192,16 @@ def _save_blocks(path: str, block_size: int) -> None:
 
 
 def _measured_exchanges(path: str, inline: int) -> list[tuple[str, str, int, bool]]:
-    """Two auto loads on a group whose exchange is not measured yet, with needs of up to `inline`
-    bytes in all in the store step: one sharing no block, then one that does; after each, how it
-    read, why, and how many exchanges this process has measured."""
+    """Three auto loads on a group whose exchange is not measured yet, with needs of up to `inline`
+    bytes in all in the store step: one sharing no block, one whose shared blocks its ranks check
+    in part, then one whose every rank needs every block; after each, how it read, why, and how
+    many exchanges this process has measured."""
     fill._EXCHANGE.clear()
     mesh = world.mesh((dist.get_world_size(),))
     out = []
     old, fill.INLINE_BYTES = fill.INLINE_BYTES, inline
     try:
-        for layout in ("S0", "S1"):
+        for layout in ("S0", "S1", "R"):
             state = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, placements(layout)) for k in KEYS}
             r = olmo_chunks.load(state, path).reading
             exact = all(torch.equal(state[k].to_local(),
@@ -212,16 +213,31 @@ def _measured_exchanges(path: str, inline: int) -> list[tuple[str, str, int, boo
 
 
 @pytest.mark.parametrize("inline", [fill.INLINE_BYTES, 0], ids=["needs-in-the-store-step", "needs-gathered"])
-def test_the_exchange_is_measured_only_for_a_load_that_shares_a_block(tmp_path, inline):
-    # A load in the layout it was saved in shares no block: reading once cannot pay, so the
-    # probe's all-to-alls (three of 8 MiB per rank here) are not spent on it. With no room in the
-    # store step (each rank's needs of 4 KiB blocks take more than its 256 bytes there), they are
-    # gathered before rank 0 says whether to measure.
+def test_the_exchange_is_measured_only_for_a_load_that_reading_once_may_speed_up(tmp_path, inline):
+    # A load in the layout it was saved in shares no block, and one to Shard(1) has each rank read
+    # a quarter of every row (the blocks checked in part, none read twice): reading once cannot pay
+    # whatever the exchange costs, so the probe's all-to-alls (three of 8 MiB per rank here) are
+    # not spent on them. Replicated, every rank reads every block directly, 4 times what reading
+    # once would have each read: the exchange is measured. With no room in the store step (each
+    # rank's needs of 4 KiB blocks take more than its 256 bytes there), the needs are gathered
+    # before rank 0 says whether to measure.
     path = str(tmp_path)
     world.run(4, _save_blocks, path, 4096)
-    for (first, second) in world.run(4, _measured_exchanges, path, inline):
+    for (first, split, replicated) in world.run(4, _measured_exchanges, path, inline):
         assert first == ("direct", fill.NOT_SHARED, 0, True)
-        assert second[2:] == (1, True) and "GB/s on cpu" in second[1], second
+        assert split[0] == "direct" and split[2:] == (0, True), split
+        assert fill.UNMEASURED in split[1] and fill.DELEGATED in split[1], split
+        assert replicated[2:] == (1, True) and "GB/s on cpu" in replicated[1], replicated
+
+
+def test_rates_take_a_free_exchange_and_refuse_what_no_machine_measures():
+    inf, nan = float("inf"), float("nan")
+    free = _core.Rates(2e9, inf, 0.0, inf)  # what reading once could gain at most
+    assert (free.exchange, free.copy, free.round) == (inf, inf, 0.0)
+    for bad in [(0, 1, 0, 1), (inf, 1, 0, 1), (nan, 1, 0, 1), (1, nan, 0, 1), (1, 0, 0, 1),
+                (1, -inf, 0, 1), (1, 1, -1e-9, 1), (1, 1, inf, 1), (1, 1, nan, 1), (1, 1, 0, 0)]:
+        with pytest.raises(InvalidArgumentError, match="rates must be positive"):
+            _core.Rates(*bad)
 
 
 def test_the_once_factor_moves_halfway_and_stays_bounded():

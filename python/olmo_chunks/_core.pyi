@@ -293,7 +293,7 @@ class ReadOnce:
 class Rates:
     """What a load's time is predicted from: bytes per second one rank reads from storage, moves
     in an all-to-all and copies through fresh buffers, and the fixed seconds of a read-once
-    round."""
+    round. Exchange and copy may be `math.inf` (a free exchange: the most reading once can gain)."""
 
     def __new__(cls, storage: float, exchange: float, round: float, copy: float) -> Self: ...
     @property

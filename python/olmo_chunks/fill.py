@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import operator
 import os
 import socket
@@ -334,9 +335,11 @@ class _ReadOnce:
     each rank sends what it needs (where that is small), rank 0 plans, predicts and sends each rank
     its plan. Where the needs or plans are too large for the store, or the group's exchange must be
     measured first, they travel by bounded collectives instead, and a second step decides. The
-    exchange is measured (once per group) only for a load that shares a block: when none is, reading
-    once cannot pay, whatever the exchange costs (needs too large for the store are gathered first,
-    and one more step then says whether to measure)."""
+    exchange is measured (once per group) only where reading once would win were the exchange free:
+    where no block is shared, or the ranks read directly no more than reading once would have the
+    slowest of them read (blocks checked in part), no exchange can make reading once pay, and the
+    probe's all-to-alls would only delay the load (needs too large for the store are gathered
+    first, and one more step then says whether to measure)."""
 
     def __init__(self, load: _CooperativeLoad, group: Group, force: bool, auto: bool, source: str) -> None:
         self.load, self.group, self.force, self.auto, self.source = load, group, force, auto, source
@@ -357,25 +360,36 @@ class _ReadOnce:
         """Whether reading once may pay: some block is needed by two ranks (or it is forced)."""
         return self.force or _core.blocks_shared(needs)
 
-    def decide(self, gathered: list[bytes], device: str) -> tuple[str, float | None, float | None, str, bool]:
+    def decide(self, gathered: list[bytes], device: str,
+               free: bool = False) -> tuple[str, float | None, float | None, str, bool] | None:
         """Rank 0's decision, and (in `plans`) each rank's plan, or, read directly, the blocks it
         trusts another rank of its host to check: where the checkpoint is on a filesystem (a
-        page cache the ranks of a host share) and checksums are on."""
+        page cache the ranks of a host share) and checksums are on. With `free`, where this
+        group's exchange is not measured, decided as if it cost nothing: `None` where reading
+        once would then win (the exchange must be measured first)."""
         if not self.shared(gathered):
             return "direct", None, None, NOT_SHARED, False
         model, why = None, ""
         measured = _EXCHANGE.get((self.pg, device))
-        if self.auto and measured is not None:
+        unmeasured = self.auto and free and measured is None
+        if self.auto and (measured is not None or unmeasured):
             storage, origin = rates.storage_rate(self.source)
-            f = rates.once_factor((self.pg, device))
-            model = _core.Rates(storage, measured.bps / f, measured.round_s * f, measured.copy_bps / f)
-            why = (f"storage {storage / 1e9:.2f} GB/s ({origin}), exchange {measured.bps / 1e9:.2f} GB/s "
-                   f"on {device}, {measured.round_s * 1e3:.1f} ms per round, copies "
-                   f"{measured.copy_bps / 1e9:.2f} GB/s" + (f", once x{f:.2f} its model (measured)" if f != 1 else ""))
+            why = f"storage {storage / 1e9:.2f} GB/s ({origin}), "
+            if measured is None:
+                model = _core.Rates(storage, math.inf, 0.0, math.inf)
+                why += UNMEASURED
+            else:
+                f = rates.once_factor((self.pg, device))
+                model = _core.Rates(storage, measured.bps / f, measured.round_s * f, measured.copy_bps / f)
+                why += (f"exchange {measured.bps / 1e9:.2f} GB/s on {device}, {measured.round_s * 1e3:.1f} ms per "
+                        f"round, copies {measured.copy_bps / 1e9:.2f} GB/s"
+                        + (f", once x{f:.2f} its model (measured)" if f != 1 else ""))
         hosts = self.hosts if self.load.verify and not is_url(self.source) else None
         # Rounds of half the budget: two of them overlap (`_CooperativeLoad.run`).
         choice = _core.plan_read_once(self.load.manifest, gathered, STAGING_BYTES // 2, self.force, model, hosts)
         if choice.plans is not None:
+            if unmeasured:
+                return None
             self.plans = choice.plans
             return "once", choice.direct_s, choice.once_s, why, True
         self.plans, self.split_sum = choice.trusted, choice.split_sum
@@ -392,13 +406,14 @@ class _ReadOnce:
         device = _exchange_device(group, any(g[0] for g in got), all(g[0] for g in got))
         probe = self.auto and group.size > 1 and not all(device in g[1] for g in got)
         inline = all(g[2] is not None for g in got)
-        if probe and inline and not self.shared([g[2] for g in got if g[2] is not None]):
-            probe = False  # reading once cannot pay: nothing to measure
+        needs = [g[2] for g in got if g[2] is not None]
+        decision = self.decide(needs, device, free=True) if probe and inline else None
+        probe = probe and decision is None  # else reading once cannot pay: nothing to measure
         if probe or not inline:
-            # Measure now, or once the gathered needs show a block shared (`finish`).
-            when = ("now" if inline else "if shared") if probe else None
+            # Measure now, or once the gathered needs show that reading once may pay (`finish`).
+            when = ("now" if inline else "if it may pay") if probe else None
             return [(None, device, when, None)] * group.size
-        decision = self.decide([g[2] for g in got if g[2] is not None], device)
+        decision = decision or self.decide(needs, device)
         plans = self.plans
         small = plans is not None and sum(map(len, plans)) <= INLINE_BYTES
         return [(decision, device, None, plans[r] if plans is not None and small else None)
@@ -411,9 +426,8 @@ class _ReadOnce:
             if probe == "now":
                 _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
             gathered = group.gather_bytes(self.needs[0]) if group.size > 1 else self.needs
-            if probe == "if shared":
-                decision = group.exchange(None, lambda _: None if self.shared(gathered or []) else
-                                          ("direct", None, None, NOT_SHARED, False))[1]
+            if probe == "if it may pay":
+                decision = group.exchange(None, lambda _: self.decide(gathered or [], device, free=True))[1]
                 if decision is None:
                     _EXCHANGE[(self.pg, device)] = _measure_exchange(group, device)
             if decision is None:
@@ -457,6 +471,7 @@ def page_cache(source: str) -> int:
 
 
 NOT_SHARED = "no saved block is needed by two ranks: each reads its own"
+UNMEASURED = "exchange not measured: reading once would not be faster were it free"
 DELEGATED = ("a block that ranks need in part is checked once: by the shares of its bytes each folds, where they "
              "hold all of it between them, else whole by one rank per host")
 

@@ -347,16 +347,20 @@ pub struct PyRates {
 impl PyRates {
     #[new]
     fn new(storage: f64, exchange: f64, round: f64, copy: f64) -> PyResult<Self> {
-        let positive = |x: f64| x.is_finite() && x > 0.0;
+        // An exchange and copies that cost nothing (infinite rates) bound what reading once can
+        // gain; storage and a round's seconds are finite.
+        let positive = |x: f64| x > 0.0; // false for NaN
         if !(positive(storage)
+            && storage.is_finite()
             && positive(exchange)
             && positive(copy)
             && round.is_finite()
             && round >= 0.0)
         {
             return Err(bad(format!(
-                "rates must be positive and finite, got storage {storage}, exchange {exchange}, \
-                 round {round}, copy {copy}"
+                "rates must be positive (storage finite, exchange and copy possibly infinite) and \
+                 a round's seconds finite and not negative, got storage {storage}, exchange \
+                 {exchange}, round {round}, copy {copy}"
             )));
         }
         Ok(PyRates {
