@@ -652,10 +652,15 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                 record("stage", a.label, method, seconds, 0 if method == "raw" else peak.extra)
             for method in ("raw", "native", "native-async", "dcp-async"):
                 stall_path = os.path.join(root, f"stall-{method}-{a.ranks}")
-                paths[f"stall-{method}"] = stall_path
                 with _PeakRss() as peak:
                     seconds = _stall_step(method, src, stall_path, mine[1], raw_buf, groups[a.ranks])
                 record("stall", a.label, method, seconds, 0 if method == "raw" else peak.extra)
+                # Never loaded from: gone before the loads, with the page cache it holds (three
+                # copies of the state, on a machine whose free memory a 2 GiB run holds at the
+                # kernel's low watermark).
+                if rank == 0:
+                    shutil.rmtree(stall_path, ignore_errors=True)
+                dist.barrier()
             del src
             for name, a2, b in PAIRS:
                 if a2 != a:

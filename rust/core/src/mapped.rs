@@ -172,13 +172,9 @@ impl MappedFile {
         Some(MappedFile { base, len, slot })
     }
 
-    /// Whether bytes `at..at + len` are in the page cache: every page of a short range, and of a
-    /// longer one [`SAMPLED_PAGES`] pages spread over it, first and last included. A page that is
-    /// not would be read from storage by a fault, a page or a few at a time, where a read of the
-    /// range asks for it whole; asking for every page of a long range costs the kernel a page-cache
-    /// lookup each (about 25 ns: 2.4 ms of a 2 GiB load's 130 ms of CPU per rank), while a cache
-    /// fills and empties in folios of up to 2 MiB and a page a sample misses only costs a fault's
-    /// read-around.
+    /// Whether every page of bytes `at..at + len` is in the page cache. A page that is not would
+    /// be read from storage by a fault, a page or a few at a time, where a read of the range asks
+    /// for it whole.
     pub(crate) fn resident(&self, at: u64, len: u64) -> bool {
         let page = page_size();
         let (Ok(start), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else {
@@ -188,24 +184,16 @@ impl MappedFile {
         let Some(end) = start.checked_add(len).filter(|&e| e <= self.len) else {
             return false;
         };
-        let pages = (end - first).div_ceil(page);
-        let cached = |at: usize, n: usize| {
-            let mut vec = vec![0u8; n];
-            // SAFETY: a page-aligned range of `n` pages inside our mapping (`at + n` pages end at
-            // or before the page holding `end - 1`), and a vector of one byte per page.
-            let r = unsafe {
-                libc::mincore(
-                    (self.base as *mut u8).add(at) as *mut libc::c_void,
-                    n * page,
-                    vec.as_mut_ptr(),
-                )
-            };
-            r == 0 && vec.iter().all(|v| v & 1 == 1)
+        let mut vec = vec![0u8; (end - first).div_ceil(page)];
+        // SAFETY: a page-aligned range inside our mapping, and a vector of one byte per page.
+        let r = unsafe {
+            libc::mincore(
+                (self.base as *mut u8).add(first) as *mut libc::c_void,
+                end - first,
+                vec.as_mut_ptr(),
+            )
         };
-        if pages <= SAMPLED_PAGES {
-            return cached(first, pages);
-        }
-        (0..SAMPLED_PAGES).all(|k| cached(first + k * (pages - 1) / (SAMPLED_PAGES - 1) * page, 1))
+        r == 0 && vec.iter().all(|v| v & 1 == 1)
     }
 
     /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file, handing
@@ -245,9 +233,6 @@ impl MappedFile {
         Ok(())
     }
 }
-
-/// Pages of a long range [`MappedFile::resident`] asks about.
-const SAMPLED_PAGES: usize = 16;
 
 /// Parts handed to `copy_parts`'s `seen` at a time.
 const SEEN_PARTS: usize = 24;
