@@ -897,9 +897,9 @@ def _spawned(rank: int, size: int, rendezvous: str, opts: Options, out: str) -> 
 
 def room_needed(opts: Options) -> int:
     """Bytes the benchmark holds at once under its local directory: per saved layout, the raw
-    files, each contender's checkpoint, and the four checkpoints of the stall rows, each about the
-    state's size."""
-    copies = 1 + 2 + len(_dcp_thread_counts(opts)) + 4
+    files, each contender's checkpoint, and one stall row's checkpoint (each removed once
+    measured), each about the state's size."""
+    copies = 1 + 2 + len(_dcp_thread_counts(opts)) + 1
     return int(copies * state_nbytes(model_spec(opts.size_bytes)) * 1.05)
 
 

@@ -337,17 +337,19 @@ pub(crate) fn carve<'a>(
     for d in 0..dests.len() {
         at[d + 1] += at[d];
     }
-    let bounds = at.clone();
     let mut order = vec![0usize; copies.len()];
     for (i, c) in copies.iter().enumerate() {
         order[at[c.dst]] = i;
         at[c.dst] += 1;
     }
-    for w in bounds.windows(2) {
-        let same = &mut order[w[0]..w[1]];
+    // `at[d]` is now where destination `d`'s copies end (and `d + 1`'s begin).
+    let mut start = 0;
+    for &end in &at[..dests.len()] {
+        let same = &mut order[start..end];
         if !same.is_sorted_by_key(|&i| copies[i].dst_off) {
             same.sort_unstable_by_key(|&i| copies[i].dst_off);
         }
+        start = end;
     }
     let mut slices: Vec<Option<&mut [u8]>> = (0..copies.len()).map(|_| None).collect();
     let mut rest: Vec<Option<(u64, &mut [u8])>> = dests.into_iter().map(|d| Some((0, d))).collect();
