@@ -26,40 +26,74 @@ RSS_SCRIPT = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     from olmo_chunks.dcp import ChunkStoreReader
 
-    path, n, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    sd = {f"t{i}": torch.zeros(numel, dtype=torch.bfloat16) for i in range(n)}
-    proc, peak, done = psutil.Process(), [0], threading.Event()
+    import olmo_chunks
+
+    path, n, numel, door = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    dtype = torch.bfloat16 if door == "dcp" else torch.float32
+    sd = {f"t{i}": torch.zeros(numel, dtype=dtype) for i in range(n)}
+    proc, peak, done = psutil.Process(), [0, 0], threading.Event()
+
+    def now():  # (memory of its own, pages of files mapped in) resident
+        m = proc.memory_info()
+        return m.rss - m.shared, m.shared
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
+            peak[:] = [max(p, x) for p, x in zip(peak, now())]
             time.sleep(0.002)
 
-    base = proc.memory_info().rss
+    base = now()
     t = threading.Thread(target=sample)
     t.start()
-    dcp.load(sd, storage_reader=ChunkStoreReader(path), no_dist=True)
+    if door == "dcp":
+        dcp.load(sd, storage_reader=ChunkStoreReader(path), no_dist=True)
+    else:
+        olmo_chunks.load(sd, path)
     done.set()
     t.join()
-    ok = all(torch.equal(sd[f"t{i}"], torch.full((numel,), float(i), dtype=torch.bfloat16)) for i in range(n))
-    print(int(ok), base, peak[0])
+    ok = all(torch.equal(sd[f"t{i}"], torch.full((numel,), float(i), dtype=dtype)) for i in range(n))
+    print(int(ok), *base, *peak)
     """
 )
+
+
+def _peak_rss(path: Path, n: int, numel: int, door: str, env: dict[str, str]) -> tuple[int, int, int]:
+    """Loads `n` tensors of `numel` through `door` ("dcp" into BF16, or "native") in a fresh
+    process: (loaded right, peak growth of its own RSS, peak growth of its mapped file pages)."""
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(path), str(n), str(numel), door],
+        capture_output=True, text=True, check=True, env={**os.environ, **env},
+    ).stdout.split()
+    ok, base, base_mapped, peak, peak_mapped = (int(x) for x in out[-5:])
+    return ok, peak - base, peak_mapped - base_mapped
+
+
+# Pages copied out of a mapping of a data file are let go of every 64 MiB; copies under way (a unit
+# of at most 8 MiB per worker, 4 to 32 workers) fault theirs back in meanwhile.
+MAPPED_BOUND = (64 << 20) + min(max(os.cpu_count() or 4, 4), 32) * (10 << 20)
 
 
 def test_dcp_door_load_into_bf16_is_bounded_by_the_staging_budget(tmp_path: Path):
     n, numel, budget = 8, 16 << 20, 64 << 20  # 8 x 64 MiB of FP32 into BF16 destinations
     olmo_chunks.save({f"t{i}": torch.full((numel,), float(i)) for i in range(n)}, tmp_path / "c")
-    size = n * numel * 4
-    out = subprocess.run(
-        [sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "c"), str(n), str(numel)],
-        capture_output=True, text=True, check=True, env={**os.environ, "OLMO_CHUNKS_STAGING_BYTES": str(budget)},
-    ).stdout.split()
-    ok, base, peak = (int(x) for x in out[-3:])
-    extra = peak - base
-    print(f"\nDCP load of {size >> 20} MiB FP32 into BF16: +{extra >> 20} MiB peak RSS, budget {budget >> 20} MiB")
+    ok, extra, mapped = _peak_rss(tmp_path / "c", n, numel, "dcp", {"OLMO_CHUNKS_STAGING_BYTES": str(budget)})
+    print(f"\nDCP load of {n * numel * 4 >> 20} MiB FP32 into BF16: +{extra >> 20} MiB peak RSS of its own, "
+          f"+{mapped >> 20} MiB of mapped pages, budget {budget >> 20} MiB")
     assert ok == 1
     assert extra < budget + (32 << 20), extra  # one staging batch at a time, plus allocator slack
+    assert mapped < MAPPED_BOUND, mapped
+
+
+def test_a_warm_load_lets_go_of_the_mapped_pages_it_copied_out(tmp_path: Path):
+    # 768 MiB read in one go out of the page cache: the pages it maps stay far below that.
+    n, numel = 12, 16 << 20
+    olmo_chunks.save({f"t{i}": torch.full((numel,), float(i)) for i in range(n)}, tmp_path / "c")
+    ok, extra, mapped = _peak_rss(tmp_path / "c", n, numel, "native", {})
+    print(f"\nload of {n * numel * 4 >> 20} MiB: +{extra >> 20} MiB peak RSS of its own, "
+          f"+{mapped >> 20} MiB of mapped pages")
+    assert ok == 1
+    assert extra < 32 << 20, extra  # straight into place
+    assert mapped < MAPPED_BOUND, mapped
 
 
 def test_the_core_takes_and_returns_typed_records(tmp_path: Path):

@@ -10,8 +10,9 @@ use crate::checksum::{self, Crc32c};
 use crate::codec::{self, Codec, Encoded};
 use crate::coop::Checks;
 use crate::error::{CoreError, Result};
+use crate::fused::Copies;
 use crate::manifest::{block_count, Chunk, FileEntry, Manifest, MAX_BLOCK_SIZE};
-use crate::storage::{LocalFs, Object, ReadMerge, Storage};
+use crate::storage::{LocalFs, Mapped, Object, ReadMerge, Storage};
 
 /// Data offsets inside a file are multiples of this.
 pub const ALIGN: u64 = 64;
@@ -500,6 +501,20 @@ pub fn read_from_trusting(
         let disjoint = parts
             .windows(2)
             .all(|w| w[0].0 + w[0].1.len() as u64 <= w[1].0);
+        if disjoint {
+            if let Some(map) = f.mapped(ch.offset + u.start, u.end - u.start) {
+                let blocks = (m, u.chunk, path.as_path());
+                return copy_mapped(
+                    blocks,
+                    &map,
+                    (u.start, u.end),
+                    parts,
+                    verify,
+                    fold.as_mut(),
+                    io_err,
+                );
+            }
+        }
         with_scratch(|scratch| {
             let len = (u.end - u.start) as usize;
             if !disjoint {
@@ -512,19 +527,6 @@ pub fn read_from_trusting(
                     dst.copy_from_slice(&scratch[*off as usize..*off as usize + n]);
                 }
                 return Ok(false);
-            }
-            let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
-            if !verify && wanted < len {
-                // Only the pieces are wanted: copied out of a mapping, where there is one.
-                // A split block's share folded from each piece as it lands, while it is in the cache.
-                let mut seen = |batch: &[(u64, &mut [u8])]| {
-                    if let Some(fold) = fold.as_mut() {
-                        fold.feed_parts(batch)
-                    }
-                };
-                if let Some(done) = f.copy_parts(ch.offset + u.start, parts, &mut seen) {
-                    return done.map(|_| fold.is_some()).map_err(io_err);
-                }
             }
             if let Some(w) = f.window() {
                 let mut check =
@@ -540,6 +542,7 @@ pub fn read_from_trusting(
             }
             // One vectored read straight into the destinations; bytes no target wants land in
             // scratch (they are read anyway, for the block checksums).
+            let wanted: usize = parts.iter().map(|p| p.1.len()).sum();
             scratch.resize(len - wanted, 0);
             let mut spare: &mut [u8] = &mut scratch[..];
             let mut segs: Vec<&mut [u8]> = Vec::with_capacity(2 * parts.len() + 1);
@@ -711,6 +714,14 @@ impl UnitShares {
             }
         }
     }
+    /// A stretch of `len` bytes at `off` from the unit's start, inside one block and at or after
+    /// everything fed so far, by its register from 0 (`checksum::update(0, bytes)`).
+    fn feed_reg(&mut self, off: u64, len: u64, reg: u32) {
+        let at = self.start + off;
+        let (b, bs) = (at / self.bs, self.bs);
+        self.block(b).feed_reg(at - b * bs, len, reg);
+        self.pos = at + len;
+    }
     /// Whether `parts` are short but not empty, each starting at or after the end of the one
     /// before (the first at or after everything fed so far), and all inside one block.
     fn apart(&self, parts: &[(u64, &mut [u8])]) -> bool {
@@ -788,6 +799,107 @@ fn read_error(
         needed,
         size,
     }
+}
+
+/// The longest stretch of a mapped copy's stream ([`copy_mapped`]): a checked block goes through
+/// in several streams, so that three chains of the CRC run at once, and the shifts that join
+/// their registers are of one length (a table, built once: `checksum::Parts`).
+const STRIPE: u64 = 64 << 10;
+
+/// Copies a raw unit (chunk bytes `start..end`, its `parts` apart) out of a resident mapping of
+/// its data file: every byte loaded once, its checksum folded in as it is copied (`fused`). With
+/// `verify` every byte of the unit's blocks is summed and each block checked (bytes no part wants
+/// summed, not copied); with a `fold` (a split unit) each part's bytes are summed into it.
+/// Returns whether `fold` was fed. The first argument is the manifest, the unit's chunk and its
+/// data file's name (for errors).
+fn copy_mapped(
+    (m, c, path): (&Manifest, usize, &Path),
+    map: &Mapped<'_>,
+    (start, end): (u64, u64),
+    parts: &mut [(u64, &mut [u8])],
+    verify: bool,
+    fold: Option<&mut UnitShares>,
+    io_err: impl Fn(std::io::Error) -> CoreError,
+) -> Result<bool> {
+    let (bs, len) = (m.block_size, end - start);
+    let mut copies = Copies::new(verify || fold.is_some());
+    let mut stretches: Vec<(u64, u64)> = Vec::new(); // each stream's (offset in the unit, length)
+    let mut parts = parts.iter_mut().map(|(o, d)| (*o, &mut **d));
+    if verify {
+        // Every block whole, in stripes; the parts' bytes copied, the rest summed only.
+        let mut cur = parts.next();
+        for lo in (0..len).step_by(bs as usize) {
+            let hi = (lo + bs).min(len);
+            for s in (lo..hi).step_by(STRIPE as usize) {
+                let e = (s + STRIPE).min(hi);
+                let mut pos = s;
+                while pos < e {
+                    match cur.take() {
+                        Some((o, dst)) if o <= pos => {
+                            let n = (e - pos).min(dst.len() as u64);
+                            let (head, tail) = dst.split_at_mut(n as usize);
+                            copies.copy(pos, head);
+                            pos += n;
+                            cur = if tail.is_empty() {
+                                parts.next()
+                            } else {
+                                Some((pos, tail))
+                            };
+                        }
+                        next => {
+                            let to = next.as_ref().map_or(e, |(o, _)| (*o).min(e));
+                            copies.skip(pos, (to - pos) as usize);
+                            (pos, cur) = (to, next);
+                        }
+                    }
+                }
+                copies.end_stream();
+                stretches.push((s, e - s));
+            }
+        }
+    } else {
+        // Each part in stretches inside one block.
+        for (mut pos, mut rest) in parts {
+            while !rest.is_empty() {
+                let n = ((pos / bs + 1) * bs - pos)
+                    .min(STRIPE)
+                    .min(rest.len() as u64);
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n as usize);
+                copies.copy(pos, head);
+                copies.end_stream();
+                stretches.push((pos, n));
+                (pos, rest) = (pos + n, tail);
+            }
+        }
+    }
+    map.copy(&mut copies).map_err(io_err)?;
+    let regs = copies.into_regs();
+    if let Some(fold) = fold {
+        for (&(at, n), reg) in stretches.iter().zip(regs) {
+            fold.feed_reg(at, n, reg);
+        }
+        return Ok(true);
+    }
+    if verify {
+        let (ch, first) = (&m.chunks[c], start / bs);
+        let crcs = m.chunk_checksums(ch);
+        let mut block = checksum::Parts::new(0);
+        let mut i = 0;
+        for (b, lo) in (0..len).step_by(bs as usize).enumerate() {
+            let blen = (lo + bs).min(len) - lo;
+            block.restart(blen);
+            while let Some(&(at, n)) = stretches.get(i).filter(|s| s.0 < lo + blen) {
+                block.feed_reg(at - lo, n, regs[i]);
+                i += 1;
+            }
+            let found = block.restart(0) ^ checksum::zeros_constant(blen);
+            let k = first as usize + b;
+            if found != crcs[k] {
+                return Err(mismatch((m, c, path), k, blen, found));
+            }
+        }
+    }
+    Ok(false)
 }
 
 /// Reads bytes `at..at + len` of `f` in windows of `w` bytes, each handed to `seen` as it lands:
@@ -930,7 +1042,6 @@ fn check_blocks(
 struct BlockCheck<'a> {
     m: &'a Manifest,
     c: usize,
-    ch: &'a Chunk,
     path: &'a Path,
     crcs: &'a [u32],
     block: usize,
@@ -945,7 +1056,6 @@ impl<'a> BlockCheck<'a> {
         BlockCheck {
             m,
             c,
-            ch,
             path,
             crcs: m.chunk_checksums(ch),
             block: (start / m.block_size) as usize,
@@ -976,21 +1086,37 @@ impl<'a> BlockCheck<'a> {
         if crc == self.crcs[block] || self.failure.is_some() {
             return;
         }
-        let (key, chunk) = chunk_name(self.m, self.c);
-        let s = self.ch.offset + block as u64 * self.m.block_size;
-        self.failure = Some(CoreError::ChecksumMismatch {
-            path: self.path.to_path_buf(),
-            key,
-            chunk,
-            start: s,
-            end: s + len as u64,
-            expected: self.crcs[block],
-            found: crc,
-        });
+        self.failure = Some(mismatch(
+            (self.m, self.c, self.path),
+            block,
+            len as u64,
+            crc,
+        ));
     }
 
     fn finish(self) -> Result<()> {
         self.failure.map_or(Ok(()), Err)
+    }
+}
+
+/// The error of block `block` of chunk `c` (in data file `path`), `len` bytes, whose checksum came
+/// out as `found`.
+fn mismatch(
+    (m, c, path): (&Manifest, usize, &Path),
+    block: usize,
+    len: u64,
+    found: u32,
+) -> CoreError {
+    let (ch, (key, chunk)) = (&m.chunks[c], chunk_name(m, c));
+    let start = ch.offset + block as u64 * m.block_size;
+    CoreError::ChecksumMismatch {
+        path: path.to_path_buf(),
+        key,
+        chunk,
+        start,
+        end: start + len,
+        expected: m.chunk_checksums(ch)[block],
+        found,
     }
 }
 

@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod error;
 pub mod fsops;
 pub mod fsutil;
+pub mod fused;
 pub mod index;
 pub mod io;
 pub mod load;

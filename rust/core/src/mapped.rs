@@ -1,6 +1,7 @@
-//! Copying scattered pieces of a local file out of a read-only mapping of it, where reading the
-//! whole range would copy every byte through the kernel only to keep a few (a rank that needs a
-//! quarter of every row of a block, and does not check the block itself).
+//! Copying out of a read-only mapping of a local file whose pages are in the page cache: scattered
+//! pieces without reading the bytes between them (a rank that needs a quarter of every row of a
+//! block), and whole ranges, each byte loaded once with its checksum folded in and stored past
+//! the cache (`fused`), where `pread` copies through the kernel and a checksum reads it again.
 //!
 //! A mapped page whose file was truncated under the mapping raises SIGBUS on access, which would
 //! kill the process. While a mapping is in use it is registered here, and a SIGBUS handler
@@ -11,10 +12,13 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::storage::Part;
+use crate::fused::{self, Copies};
+
+/// Bytes a mapping copies out before it lets go of its pages ([`MappedFile::copy`]).
+const HELD: u64 = 64 << 20;
 
 /// Mappings in use at once (one per data file a read has open); a file that finds no slot free
 /// is read instead of mapped.
@@ -133,6 +137,8 @@ pub(crate) struct MappedFile {
     base: *mut libc::c_void,
     len: usize,
     slot: &'static Slot,
+    /// Bytes copied out since its pages were last let go of (`copy`).
+    held: AtomicU64,
 }
 
 // SAFETY: a read-only mapping, read through raw pointers only.
@@ -169,7 +175,12 @@ impl MappedFile {
         slot.faulted.store(false, Ordering::Relaxed);
         slot.end.store(base as usize + len, Ordering::Release);
         slot.start.store(base as usize, Ordering::Release);
-        Some(MappedFile { base, len, slot })
+        Some(MappedFile {
+            base,
+            len,
+            slot,
+            held: AtomicU64::new(0),
+        })
     }
 
     /// Whether every page of bytes `at..at + len` is in the page cache. A page that is not would
@@ -196,46 +207,35 @@ impl MappedFile {
         r == 0 && vec.iter().all(|v| v & 1 == 1)
     }
 
-    /// Copies `parts` (`(offset from at, destination)`) from bytes `at..` of the file, handing
-    /// them to `seen` a few at a time once copied (while they are in the cache). `UnexpectedEof`
-    /// where the file was cut short under the mapping (here or in another copy out of it: the
-    /// bytes may then be zeros).
-    pub(crate) fn copy_parts(
-        &self,
-        at: u64,
-        parts: &mut [(u64, &mut [u8])],
-        seen: &mut dyn FnMut(&[Part<'_>]),
-    ) -> std::io::Result<()> {
-        let short = || Err(std::io::ErrorKind::UnexpectedEof.into());
-        for batch in parts.chunks_mut(SEEN_PARTS) {
-            for (off, dst) in batch.iter_mut() {
-                let start = at.checked_add(*off).and_then(|s| usize::try_from(s).ok());
-                let Some(start) =
-                    start.filter(|s| s.checked_add(dst.len()).is_some_and(|e| e <= self.len))
-                else {
-                    return short();
-                };
-                // SAFETY: inside the mapping (checked above); a page the file lost under us reads
-                // as zeros (`on_sigbus`) and the copy is then refused below.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (self.base as *const u8).add(start),
-                        dst.as_mut_ptr(),
-                        dst.len(),
-                    )
-                };
-            }
-            seen(batch);
+    /// Runs `copies` out of bytes `at..` of the file (`fused`). `UnexpectedEof` where they reach
+    /// past its end, or where the file was cut short under the mapping (here or in another copy
+    /// out of it: the bytes may then be zeros).
+    pub(crate) fn copy(&self, at: u64, copies: &mut Copies<'_>) -> std::io::Result<()> {
+        let reach = at
+            .checked_add(copies.reach())
+            .and_then(|e| usize::try_from(e).ok());
+        if !fused::available() || reach.is_none_or(|e| e > self.len) {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        // SAFETY: the copies stay inside the mapping (checked above); a page the file lost under
+        // us reads as zeros (`on_sigbus`) and the copy is then refused below.
+        unsafe { copies.run((self.base as *const u8).add(at as usize)) };
+        // Mapped pages count in the process's RSS (and in what the OOM killer weighs): let go of
+        // all of them each time another `HELD` bytes have been copied out (the page cache keeps
+        // them; a copy still under way faults its own back in). Rarely: each time is a flush of
+        // the TLBs of the process's other threads.
+        let n = copies.bytes();
+        if self.held.fetch_add(n, Ordering::Relaxed) + n >= HELD {
+            self.held.store(0, Ordering::Relaxed);
+            // SAFETY: advice on our own read-only shared mapping, whole.
+            unsafe { libc::madvise(self.base, self.len, libc::MADV_DONTNEED) };
         }
         if self.slot.faulted.load(Ordering::Acquire) {
-            return short();
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
         Ok(())
     }
 }
-
-/// Parts handed to `copy_parts`'s `seen` at a time.
-const SEEN_PARTS: usize = 24;
 
 impl Drop for MappedFile {
     fn drop(&mut self) {
@@ -259,20 +259,33 @@ mod tests {
         (f, r)
     }
 
+    /// Runs plain copies of `parts` (`(offset from at, destination)`) out of `map`.
+    fn copy_parts(
+        map: &MappedFile,
+        at: u64,
+        parts: &mut [(u64, &mut [u8])],
+    ) -> std::io::Result<()> {
+        let mut c = Copies::new(false);
+        for (off, dst) in parts.iter_mut() {
+            c.copy(*off, dst);
+            c.end_stream();
+        }
+        map.copy(at, &mut c)
+    }
+
     #[test]
     fn pieces_come_out_as_written() {
+        if !fused::available() {
+            return;
+        }
         let data: Vec<u8> = (0..3 * 4096 + 123).map(|i| (i * 7 % 251) as u8).collect();
         let (_f, file) = file_of(&data);
         let map = MappedFile::new(&file, data.len() as u64).unwrap();
         let (mut a, mut b) = (vec![0u8; 10], vec![0u8; 5000]);
-        let mut parts = [(1u64, &mut a[..]), (4000u64, &mut b[..])];
-        map.copy_parts(100, &mut parts, &mut |_| ()).unwrap();
+        copy_parts(&map, 100, &mut [(1u64, &mut a[..]), (4000u64, &mut b[..])]).unwrap();
         assert_eq!(a, data[101..111]);
         assert_eq!(b, data[4100..9100]);
-        let mut past = [(0u64, &mut a[..])];
-        let e = map
-            .copy_parts(data.len() as u64 - 5, &mut past, &mut |_| ())
-            .unwrap_err();
+        let e = copy_parts(&map, data.len() as u64 - 5, &mut [(0u64, &mut a[..])]).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         // Just written: in the page cache (the range past the end is not a range of the file).
         assert!(map.resident(100, 9000));
@@ -282,27 +295,25 @@ mod tests {
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let dropped = !map.resident(0, 4096);
         let mut c = [0u8; 4];
-        map.copy_parts(0, &mut [(0, &mut c[..])], &mut |_| ())
-            .unwrap();
+        copy_parts(&map, 0, &mut [(0, &mut c[..])]).unwrap();
         assert!(!dropped || map.resident(0, 4096));
     }
 
     #[test]
     fn a_file_cut_short_under_the_mapping_is_a_short_read_not_a_crash() {
+        if !fused::available() {
+            return;
+        }
         let data = vec![5u8; 64 << 10];
         let (f, file) = file_of(&data);
         let map = MappedFile::new(&file, data.len() as u64).unwrap();
         f.as_file().set_len(1000).unwrap();
         let mut got = [9u8; 16];
-        let e = map
-            .copy_parts(40_000, &mut [(0, &mut got[..])], &mut |_| ())
-            .unwrap_err();
+        let e = copy_parts(&map, 40_000, &mut [(0, &mut got[..])]).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         assert_eq!(got, [0u8; 16]);
         // Every later copy out of it is refused too, even of bytes the file still has.
-        let e = map
-            .copy_parts(0, &mut [(0, &mut got[..])], &mut |_| ())
-            .unwrap_err();
+        let e = copy_parts(&map, 0, &mut [(0, &mut got[..])]).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 }

@@ -15,6 +15,7 @@ use std::time::SystemTime;
 use crate::error::{CoreError, Result};
 use crate::fsops::{self, sync_dir};
 use crate::fsutil::open_beneath;
+use crate::fused::Copies;
 
 /// What [`Storage::get_checked`] asks of an object before reading it whole: given its size and
 /// first bytes, refuse it or let it through.
@@ -49,8 +50,23 @@ impl IoCounters {
     }
 }
 
-/// A piece of a read: its offset in the range read, and its destination.
-pub type Part<'a> = (u64, &'a mut [u8]);
+/// Bytes of an object mapped in memory, every page of them in the page cache ([`Object::mapped`]).
+pub struct Mapped<'a> {
+    map: &'a crate::mapped::MappedFile,
+    at: u64,
+    counters: &'a IoCounters,
+}
+
+impl Mapped<'_> {
+    /// Runs `copies` (offsets from the start of these bytes) out of the mapping
+    /// ([`crate::fused`]). `UnexpectedEof` where they reach past the object's end or it was cut
+    /// short under the mapping.
+    pub fn copy(&self, copies: &mut Copies<'_>) -> std::io::Result<()> {
+        self.map.copy(self.at, copies)?;
+        self.counters.add_read(copies.bytes());
+        Ok(())
+    }
+}
 
 /// A data object open for positional I/O.
 pub trait Object: Send + Sync {
@@ -79,16 +95,10 @@ pub trait Object: Send + Sync {
     fn window(&self) -> Option<usize> {
         None
     }
-    /// Copies `parts` (`(offset from at, destination)`) out of bytes `at..` without reading the
-    /// bytes between them (a local file's mapping, where its pages are in the page cache), handing
-    /// them to `seen` a few at a time once copied, or `None` where this object cannot or should
-    /// not (the caller then reads the range). A short object is `UnexpectedEof`.
-    fn copy_parts(
-        &self,
-        _at: u64,
-        _parts: &mut [(u64, &mut [u8])],
-        _seen: &mut dyn FnMut(&[Part<'_>]),
-    ) -> Option<std::io::Result<()>> {
+    /// Bytes `at..at + len` mapped in memory, where every page of them is in the page cache (a
+    /// local file): copied out of there ([`Mapped::copy`]), not read. `None` where this object
+    /// cannot or should not (the caller then reads the range).
+    fn mapped(&self, _at: u64, _len: u64) -> Option<Mapped<'_>> {
         None
     }
     /// Writes all of `data` at `offset`.
@@ -386,7 +396,7 @@ struct LocalObject {
     path: PathBuf,
     size: u64,
     counters: Arc<IoCounters>,
-    /// A mapping of its `size` bytes, made on the first `copy_parts` (`None`: it cannot be).
+    /// A mapping of its `size` bytes, made on the first `mapped` (`None`: it cannot be).
     map: std::sync::OnceLock<Option<crate::mapped::MappedFile>>,
 }
 
@@ -421,28 +431,20 @@ impl Object for LocalObject {
         Some(SEEN_WINDOW)
     }
 
-    fn copy_parts(
-        &self,
-        at: u64,
-        parts: &mut [(u64, &mut [u8])],
-        seen: &mut dyn FnMut(&[Part<'_>]),
-    ) -> Option<std::io::Result<()>> {
+    fn mapped(&self, at: u64, len: u64) -> Option<Mapped<'_>> {
+        if !crate::fused::available() {
+            return None;
+        }
         let map = self
             .map
             .get_or_init(|| crate::mapped::MappedFile::new(&self.file, self.size))
             .as_ref()?;
         // From a cold cache, faults would read the file a few pages at a time: read it instead.
-        let lo = parts.iter().map(|p| p.0).min()?;
-        let hi = parts.iter().map(|p| p.0 + p.1.len() as u64).max()?;
-        if !map.resident(at + lo, hi - lo) {
-            return None;
-        }
-        let done = map.copy_parts(at, parts, seen);
-        if done.is_ok() {
-            self.counters
-                .add_read(parts.iter().map(|p| p.1.len() as u64).sum());
-        }
-        Some(done)
+        map.resident(at, len).then_some(Mapped {
+            map,
+            at,
+            counters: &self.counters,
+        })
     }
 
     /// Reads in windows of [`SEEN_WINDOW`] bytes, each handed to `seen` before the next is read.
