@@ -3,7 +3,7 @@
  *
  *   gcc -O2 -msse4.2 -o /tmp/piece_reads benches/piece_reads.c
  *   head -c 128M /dev/urandom > /tmp/dense.bin && cat /tmp/dense.bin > /dev/null
- *   for m in 0 1 2 3 4 5 6 7 8 9; do /tmp/piece_reads /tmp/dense.bin $m 4 2944; done
+ *   for m in 0 1 2 3 4 5 6 7; do /tmp/piece_reads /tmp/dense.bin $m 4 2944; done
  *
  * Modes (each process, 5 passes, milliseconds per pass of the slowest process):
  *   0  roofline: its 1/P of the file, contiguous, by pread
@@ -18,17 +18,10 @@
  *      one reused buffer, checked and its pieces copied out; the other windows' pieces copied
  *      straight out of a read-only mapping
  *   7  as 6, the checked windows checked and copied from the mapping too (no pread at all)
- *   8  what olmo-chunks does since `core::fused`: the pieces out of the mapping, each 8-byte word
- *      loaded once, folded into a CRC-32C chain from the register it was loaded into, and stored
- *      with a non-temporal store (MOVNTI: no read for ownership of the destination); three pieces
- *      in lockstep, so that three chains of the CRC instruction overlap (a split block)
- *   9  as 0 (its 1/P of the file, contiguous), the way of 8: three stripes of each 256 KiB window
- *      in lockstep (a block read whole and checked)
- * The CRC here (modes 3-7) is the serial SSE4.2 instruction, slower than the product's crc-fast.
+ * The CRC here is the serial SSE4.2 instruction, slower than the product's crc-fast.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
-#include <emmintrin.h>
 #include <nmmintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,17 +48,6 @@ static unsigned crc(unsigned c, const unsigned char *p, size_t n) {
     return (unsigned)x;
 }
 
-/* Copies three streams of n bytes each with MOVNTI, folding each into its own CRC-32C chain. */
-static void fused3(unsigned char *const d[3], const unsigned char *const s[3], size_t n, unsigned long long r[3]) {
-    for (size_t i = 0; i + 8 <= n; i += 8)
-        for (int k = 0; k < 3; k++) {
-            long long w;
-            memcpy(&w, s[k] + i, 8);
-            _mm_stream_si64((long long *)(d[k] + i), w);
-            r[k] = _mm_crc32_u64(r[k], (unsigned long long)w);
-        }
-}
-
 static void pread_all(int fd, unsigned char *buf, size_t n, size_t off) {
     for (size_t done = 0; done < n;) {
         ssize_t k = pread(fd, buf + done, n - done, (off_t)(off + done));
@@ -83,29 +65,6 @@ static void one(int fd, size_t size, int mode, int p, int r, size_t row) {
     for (int pass = 0; pass < 5; pass++) {
         if (mode == 0) {
             pread_all(fd, dst, share, r * share);
-        } else if (mode == 8 || mode == 9) {
-            unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
-            if (m == MAP_FAILED) { perror("mmap"); exit(1); }
-            unsigned long long regs[3] = {0, 0, 0};
-            if (mode == 8) {
-                for (size_t q = 0; q + 3 <= rows; q += 3) {
-                    unsigned char *d[3] = {dst + q * piece, dst + (q + 1) * piece, dst + (q + 2) * piece};
-                    const unsigned char *sp[3] = {m + q * row + r * piece, m + (q + 1) * row + r * piece,
-                                                  m + (q + 2) * row + r * piece};
-                    fused3(d, sp, piece, regs);
-                }
-            } else {
-                for (size_t o = 0; o + W <= share; o += W) {
-                    size_t k = W / 3 / 8 * 8;
-                    unsigned char *d[3] = {dst + o, dst + o + k, dst + o + 2 * k};
-                    const unsigned char *sp[3] = {m + r * share + o, m + r * share + o + k, m + r * share + o + 2 * k};
-                    fused3(d, sp, k, regs);
-                    memcpy(dst + o + 3 * k, m + r * share + o + 3 * k, W - 3 * k);
-                }
-            }
-            _mm_sfence();
-            c ^= (unsigned)(regs[0] ^ regs[1] ^ regs[2]);
-            munmap(m, size);
         } else if (mode == 1 || mode == 3) {
             for (size_t o = 0; o < size; o += W) {
                 size_t n = size - o < W ? size - o : W;
