@@ -9,8 +9,9 @@
 //! whatever happens to the source after), and stored with a non-temporal store (`MOVNTI`: no read
 //! for ownership, the line goes to memory whole). Three streams go in lockstep so that three
 //! chains of the CRC-32C instruction (latency 3, throughput 1) overlap. On this project's build
-//! machine, 128 MiB out of a mapping: 11-13 ms against 20-22 ms for a `pread` of it (and a `pread`
-//! followed by the CRC of each window: 20-25 ms).
+//! machine (2 cores), 128 MiB out of a mapping: 11-13 ms against 20-22 ms for a `pread` of it (and
+//! a `pread` followed by the CRC of each window: 20-25 ms); with four processes at once, 26-28 ms
+//! each against 30-46 ms.
 //!
 //! A stream is a run of segments, each a destination to fill or bytes only summed (the part of a
 //! block a reader checks but does not keep); its register is `checksum::update(0, its bytes)`.
