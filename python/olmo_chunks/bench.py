@@ -245,11 +245,13 @@ def _check(held: _Held, what: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], Any], group: Any = None) -> float:
-    """Seconds `fn` takes on the slowest rank: barrier, run, barrier. Python's cyclic collector runs
-    before, not inside, as in training loops that manage it (OLMo-core's and Megatron's GC
-    settings): a full collection of a bench rank's heap took 90-310 ms, more than most loads it
-    landed in, at random. What lived before is frozen out of later collections."""
+def timed(fn: Callable[[], Any], group: Any = None, before: Callable[[], Any] | None = None) -> float:
+    """Seconds `fn` takes on the slowest rank: (`before()`,) barrier, run, barrier. Python's cyclic
+    collector runs before, not inside, as in training loops that manage it (OLMo-core's and
+    Megatron's GC settings): a full collection of a bench rank's heap took 90-310 ms, more than most
+    loads it landed in, at random. What lived before is frozen out of later collections."""
+    if before is not None:
+        before()
     gc.collect()
     gc.freeze()
     enabled = gc.isenabled()
@@ -419,6 +421,15 @@ def _drop(paths: list[str], rank: int, ranks: int) -> None:
             os.close(fd)
 
 
+def _prepare(held: _Held | None, path: str, cold: bool, rank: int, ranks: int) -> None:
+    """Before each timed load: zeros in `held` (so that the check after the last load is of it),
+    and the files under `path` dropped from the page cache (`cold`) or read into it."""
+    if held is not None:
+        for t in held.locals.values():
+            t.zero_()
+        (_drop if cold else _warm)([path], rank, ranks)
+
+
 def _share(total: int, parts: int, i: int) -> tuple[int, int]:
     a, b = total * i // parts, total * (i + 1) // parts
     return a, b - a
@@ -527,30 +538,33 @@ def _stall_step(method: str, held: _Held | None, path: str, nbytes: int, raw_buf
 
 
 def _tries(method: str) -> int:
-    """Timings of `method` per repetition, the best kept: the raw-read roofline is a limit, and one
-    read of it came out at a third of the others in some runs (3.6-3.9 GB/s against 10.8-12.5 on the
-    other pairs at 2 GiB); three back to back cost well under a second."""
-    return 3 if method == "raw" else 1
+    """Timings of `method` per repetition, the best kept, each after its own preparation (fresh
+    zeros, the page cache warmed or dropped). The raw-read roofline is a limit, and one read of it
+    came out at a third of the others in some runs (3.6-3.9 GB/s against 10.8-12.5 on the other
+    pairs at 2 GiB). The default and its two read modes, whose times it is measured against
+    (`of best`), differ by a few ms at 0.5 GiB, where one timing each varies by more than that
+    (cold, by 20%)."""
+    return 3 if method in ("raw", "native", "native-once", "native-direct") else 1
 
 
-def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple[str, int]],
-               share: tuple[int, int], group: Any, peak: _PeakRss) -> float:
-    """Seconds of one resharded load into `held` (ranks outside the layout only wait)."""
+def _load_fn(method: str, held: _Held | None, path: str, raw_files: list[tuple[str, int]],
+             share: tuple[int, int], group: Any, peak: _PeakRss) -> Callable[[], Any]:
+    """One resharded load into `held` by `method`, to be timed (ranks outside the layout only wait)."""
     import torch.distributed.checkpoint as dcp
 
     from . import _core, checkpoint
     from .dcp import ChunkStoreReader, FastLoadPlanner
 
-    if held is None:  # as many barriers as the loading ranks' timings
-        return min(timed(lambda: None) for _ in range(_tries(method)))
+    if held is None:
+        return lambda: None
     if method == RAW_URL:
         ranges = [(os.path.basename(p), off, n) for p, off, n in _ranges(raw_files, *share)]
-        return timed(lambda: _core.object_store_get_raw(path, ranges, 0))
+        return lambda: _core.object_store_get_raw(path, ranges, 0)
     name, method = method, method.removesuffix(URL_SUFFIX)
     if method == "raw":
         out = torch.zeros(share[1], dtype=torch.uint8)
         peak.start = _status("VmRSS")  # the destination is not extra
-        return min(timed(lambda: _raw_read(raw_files, share[0], out)) for _ in range(_tries(method)))
+        return lambda: _raw_read(raw_files, share[0], out)
     if method.startswith("native"):
         verify = method != "native-noverify"
         read = {"native-direct": "direct", "native-once": "once"}.get(method, "auto")
@@ -558,11 +572,11 @@ def _load_step(method: str, held: _Held | None, path: str, raw_files: list[tuple
         def load() -> None:
             _CHOSEN[name] = checkpoint.load(held.native, path, process_group=group, verify=verify, read=read).read
 
-        return timed(load)
+        return load
     if method == "ours-dcp":
-        return timed(lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path, process_group=group),
-                                      planner=FastLoadPlanner(), process_group=group))
-    return timed(lambda: dcp.load(held.dcp, storage_reader=_counted_reader(path), process_group=group))
+        return lambda: dcp.load(held.dcp, storage_reader=ChunkStoreReader(path, process_group=group),
+                                planner=FastLoadPlanner(), process_group=group)
+    return lambda: dcp.load(held.dcp, storage_reader=_counted_reader(path), process_group=group)
 
 
 def _rotated(methods: list[str], rep: int) -> list[str]:
@@ -670,24 +684,21 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                 if opts.url:  # auto's choice on the object store, against both of its modes there
                     loads += [f"native-once{URL_SUFFIX}", f"native-direct{URL_SUFFIX}"]
                 for method in ["raw", *_rotated(loads, rep)]:
-                    if dst is not None:
-                        for t in dst.locals.values():
-                            t.zero_()
-                        src_path = os.path.join(root, "raw") if method == "raw" else paths[_base(method)]
-                        (_drop if opts.cold else _warm)([src_path], rank, b.ranks)
-                    dist.barrier()
+                    src_path = os.path.join(root, "raw") if method == "raw" else paths[_base(method)]
+                    prepare = functools.partial(_prepare, dst, src_path, opts.cold, rank, b.ranks)
                     _core.set_read_pace(int(opts.storage_gbps * 1e9 / b.ranks) if dst is not None else 0)
-                    before, sent = _storage_reads(), _requests(opts.url)
+                    before, sent, tries = _storage_reads(), _requests(opts.url), _tries(method)
                     try:
                         with _PeakRss() as peak:
-                            seconds = _load_step(method, dst, paths.get(_base(method), ""), raw_files,
-                                                 _share(total, b.ranks, rank), groups[b.ranks], peak)
+                            fn = _load_fn(method, dst, paths.get(_base(method), ""), raw_files,
+                                          _share(total, b.ranks, rank), groups[b.ranks], peak)
+                            seconds = min(timed(fn, before=prepare) for _ in range(tries))
                     finally:
                         _core.set_read_pace(0)
                     if dst is not None and method not in ("raw", RAW_URL) and rep == 0 and opts.verify:
                         _check(dst, f"{name} {method}")
                     record("load", name, method, seconds, peak.extra, _requests(opts.url) - sent,
-                           (_storage_reads() - before) // _tries(method))
+                           (_storage_reads() - before) // tries)
                 del dst
             dist.barrier()
             if rank == 0:
