@@ -5,8 +5,8 @@
 //!
 //! cargo run --release --example codec_speed -- [MiB] [level] [reps] [shuffle width]
 
-use std::hint::black_box;
-use std::time::Instant;
+mod common;
+use common::best;
 
 use olmo_chunks_core::checksum::crc32c;
 use olmo_chunks_core::codec::{choose_shuffle, decode_block, encode_blocks, Codec};
@@ -33,16 +33,6 @@ fn weights(n: usize) -> Vec<u8> {
         out.extend_from_slice(&((normal() * scale) as f32).to_le_bytes());
     }
     out
-}
-
-fn best<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            black_box(f());
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
 }
 
 fn main() {

@@ -2,28 +2,20 @@
 //! 64 KiB stripes with their CRC-32C folded in (as a warm local load copies a piece out of a
 //! mapping of the page cache, `io::copy_mapped`), with the destination `rel` bytes into its 4 KiB
 //! cycle against a page-aligned source, against `memcpy` and `memcpy` then the CRC of the same
-//! bytes. A destination 64 bytes into a page (where the allocator puts a large tensor's data)
-//! once made the copy 20-30 times slower (the lanes' stores fell together in the 4 KiB cycle).
+//! bytes. Before the lanes' stores were kept apart in the 4 KiB cycle (a68a574), a destination
+//! 0 / 64 / 128 / 2,048 bytes into a page copied at 1.49 / 0.56 / 3.13 / 6.50 GB/s on this
+//! project's build machine, 9.2-9.8 after; 64 bytes is where the allocator puts a large tensor's
+//! data.
 //!
 //! cargo run --release --example fused_copy -- [MiB] [reps]
 
-use std::hint::black_box;
-use std::time::Instant;
+mod common;
+use common::best;
 
 use olmo_chunks_core::checksum::crc32c;
 use olmo_chunks_core::fused::{available, Copies};
 
 const STRIPE: usize = 64 << 10;
-
-fn best<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            black_box(f());
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 /// `buf[off..off + n]` where `buf.as_ptr() + off` is `rel` bytes into a 4 KiB page.
 fn at(buf: &mut [u8], rel: usize, n: usize) -> &mut [u8] {
