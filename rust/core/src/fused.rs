@@ -85,11 +85,7 @@ impl<'a> Copies<'a> {
     pub fn bytes(&self) -> u64 {
         self.segs.iter().map(|s| s.len as u64).sum()
     }
-    /// Each ended stream's register, once run (with `sum`).
-    pub fn regs(&self) -> &[u32] {
-        &self.regs
-    }
-    /// [`Copies::regs`], the destinations released.
+    /// Each ended stream's register, once run (with `sum`); the destinations released.
     pub fn into_regs(self) -> Vec<u32> {
         self.regs
     }
@@ -340,8 +336,7 @@ mod tests {
                 c.end_stream();
             }
             unsafe { c.run(src.as_ptr()) };
-            let regs = c.regs().to_vec();
-            drop(c);
+            let regs = c.into_regs();
             if sum {
                 prop_assert_eq!(regs.len(), plan.len());
             }
