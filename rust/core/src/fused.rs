@@ -20,6 +20,10 @@
 //! copied 8 times slower than one elsewhere. A lane that would store too near another first runs
 //! alone to where it stores well apart; lockstep keeps the distances (stripes are whole pages).
 //!
+//! Each lane copies its own third of the streams, in order (`thirds`): while lanes took streams
+//! in turn, each lane's next piece lay three pieces on, every piece restarted the CPU's
+//! prefetching, and pieces of 1,456 bytes copied at 4.7 GB/s instead of 9 (`fused_copy`).
+//!
 //! A stream is a run of segments, each a destination to fill or bytes only summed (the part of a
 //! block a reader checks but does not keep); its register is `checksum::update(0, its bytes)`.
 //! Where the CPU lacks the CRC-32C instruction (or is not x86-64) there is no such copy:
@@ -137,11 +141,17 @@ struct Lane {
 unsafe fn run_sse42(c: &mut Copies<'_>, src: *const u8) {
     use std::arch::x86_64::_mm_sfence;
     let streams = c.ends.len();
-    let mut next = 0usize; // the next stream to give a lane
+    // Each lane its own third of the streams (see the module's doc).
+    let starts = |i: usize| if i == 0 { 0 } else { c.ends[i - 1] };
+    let bytes = (0..streams).map(|i| c.segs[starts(i)..c.ends[i]].iter().map(|s| s.len).sum());
+    let cuts = thirds(bytes);
+    let mut next = [0, cuts[0], cuts[1]]; // each lane's next stream
+    let limit = [cuts[0], cuts[1], streams];
     let mut lanes: [Option<Lane>; 3] = [None; 3];
     loop {
         // Each lane to a segment with bytes left: the next of its stream, or the next stream.
-        for lane in lanes.iter_mut() {
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let (next, limit) = (&mut next[i], limit[i]);
             loop {
                 match lane {
                     Some(l) if l.seg < l.end && l.done < c.segs[l.seg].len => break,
@@ -152,18 +162,17 @@ unsafe fn run_sse42(c: &mut Copies<'_>, src: *const u8) {
                                 c.regs[l.stream] = l.reg;
                             }
                         }
-                        if next == streams {
+                        if *next == limit {
                             break;
                         }
-                        let start = if next == 0 { 0 } else { c.ends[next - 1] };
                         *lane = Some(Lane {
-                            stream: next,
-                            seg: start,
-                            end: c.ends[next],
+                            stream: *next,
+                            seg: starts(*next),
+                            end: c.ends[*next],
                             done: 0,
                             reg: 0,
                         });
-                        next += 1;
+                        *next += 1;
                     }
                 }
             }
@@ -212,6 +221,26 @@ unsafe fn run_sse42(c: &mut Copies<'_>, src: *const u8) {
     }
     // Non-temporal stores are ordered by nothing else: fence them before anyone reads the bytes.
     _mm_sfence();
+}
+
+/// Where the second and third lanes' runs of streams start, given each stream's bytes: the
+/// streams cut into three runs of about equal bytes (a run starts with the first stream that
+/// starts at or past its third of the bytes), so that each lane copies its own stretch of the
+/// source and the destination in order.
+#[cfg(target_arch = "x86_64")]
+fn thirds(bytes: impl Iterator<Item = usize> + Clone) -> [usize; 2] {
+    let total: usize = bytes.clone().sum();
+    let mut cuts = [0; 2];
+    let mut before = 0; // the bytes of the streams before stream `i`
+    for (i, n) in bytes.chain([0]).enumerate() {
+        for (k, cut) in cuts.iter_mut().enumerate() {
+            if 3 * before < total * (k + 1) {
+                *cut = i + 1;
+            }
+        }
+        before += n;
+    }
+    cuts
 }
 
 /// Stores of lanes that fall within this many bytes of each other in the 4 KiB cycle of
@@ -353,6 +382,20 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    proptest! {
+        /// Each lane's run of streams starts with the first stream that starts at or past its
+        /// third of the bytes.
+        #[test]
+        fn thirds_cut_at_the_first_stream_past_each_third(
+            bytes in proptest::collection::vec(prop_oneof![Just(0usize), 0usize..100_000], 0..40),
+        ) {
+            let total: usize = bytes.iter().sum();
+            let before = |i: usize| bytes[..i].iter().sum::<usize>();
+            let want = [1, 2].map(|k| (0..=bytes.len()).find(|&i| 3 * before(i) >= k * total).unwrap());
+            prop_assert_eq!(thirds(bytes.iter().copied()), want);
         }
     }
 
