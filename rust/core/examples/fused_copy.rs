@@ -11,8 +11,10 @@
 //! turn (each piece three from the lane's last), 1,456-byte pieces of one run of the source
 //! copied at 4.7 GB/s and 5,824-byte ones at 6.5; since each lane copies its own third of the
 //! streams in order, at 8.8-9.1 and 9.7-9.9 (same session). Pieces a quarter of every row apart
-//! copy at 4.1 either way, bound by their loads (summing them alone: 5 GB/s; a `memcpy` of
-//! each piece, its stores reading their lines first: 5.8).
+//! copied at 4.1 either way, bound by their loads (summing them alone: 5 GB/s; a `memcpy` of
+//! each piece, its stores reading their lines first: 5.8); since each lane asks for its next
+//! pieces ahead, at 4.4-4.8 where they copied at 3.1-3.5 in the same minutes (6 runs each,
+//! alternating, on a busier machine: contiguous pieces 6.8-7.2 either way).
 //!
 //! cargo run --release --example fused_copy -- [MiB] [reps]
 
