@@ -140,9 +140,11 @@ struct Lane {
 }
 
 /// How far ahead of a lane, in the bytes of its run of segments, its source is asked for.
+#[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 2048;
 /// How much of a segment that does not continue the one before it in the source is asked for
 /// ahead (from there on the CPU's own prefetching has caught the run).
+#[cfg(target_arch = "x86_64")]
 const START: usize = 4096;
 
 /// A lane's prefetch cursor: `off` bytes into segment `seg`, in its run of segments (up to

@@ -196,8 +196,6 @@ pub(crate) struct MappedFile {
     slot: &'static Slot,
     /// Bytes copied out since its pages were last let go of (`copy`).
     held: AtomicU64,
-    /// The file (a duplicate of the caller's descriptor), asked what of it is cached (`resident`).
-    file: File,
 }
 
 // SAFETY: a read-only mapping, read through raw pointers only.
@@ -208,7 +206,6 @@ impl MappedFile {
     /// `None` where the file cannot be mapped (or every slot is taken): the caller reads instead.
     pub(crate) fn new(file: &File, len: u64) -> Option<MappedFile> {
         let len = usize::try_from(len).ok().filter(|&n| n > 0)?;
-        let file = file.try_clone().ok()?;
         if !ensure_handler() {
             return None;
         }
@@ -240,14 +237,13 @@ impl MappedFile {
             len,
             slot,
             held: AtomicU64::new(0),
-            file,
         })
     }
 
-    /// Whether every page of bytes `at..at + len` is in the page cache. A page that is not would
+    /// Whether every page of bytes `at..at + len` of `file` (the file mapped) is in the page cache. A page that is not would
     /// be read from storage by a fault, a page or a few at a time, where a read of the range asks
     /// for it whole.
-    pub(crate) fn resident(&self, at: u64, len: u64) -> bool {
+    pub(crate) fn resident(&self, file: &File, at: u64, len: u64) -> bool {
         let page = page_size();
         let (Ok(start), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else {
             return false;
@@ -259,7 +255,7 @@ impl MappedFile {
         if end == first {
             return true;
         }
-        all_cached(&self.file, first, end - first, page)
+        all_cached(file, first, end - first, page)
             .unwrap_or_else(|| self.all_mapped_cached(first, end - first, page))
     }
 
@@ -359,15 +355,15 @@ mod tests {
         let e = copy_parts(&map, data.len() as u64 - 5, &mut [(0u64, &mut a[..])]).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         // Just written: in the page cache (the range past the end is not a range of the file).
-        assert!(map.resident(100, 9000));
-        assert!(!map.resident(100, data.len() as u64));
+        assert!(map.resident(&file, 100, 9000));
+        assert!(!map.resident(&file, 100, data.len() as u64));
         // Dropped from the cache (as far as the kernel will), then faulted back in by a copy.
         // SAFETY: plain advice on an open file.
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        let dropped = !map.resident(0, 4096);
+        let dropped = !map.resident(&file, 0, 4096);
         let mut c = [0u8; 4];
         copy_parts(&map, 0, &mut [(0, &mut c[..])]).unwrap();
-        assert!(!dropped || map.resident(0, 4096));
+        assert!(!dropped || map.resident(&file, 0, 4096));
     }
 
     #[test]
@@ -403,13 +399,13 @@ mod tests {
         let mut asked = 0;
         for (at, n) in ranges {
             let by_page = map.all_mapped_cached(at * page, n * page, page);
-            if let Some(all) = all_cached(&map.file, at * page, n * page, page) {
+            if let Some(all) = all_cached(&file, at * page, n * page, page) {
                 assert_eq!(all, by_page, "pages {at}..{}", at + n);
                 asked += 1;
             }
             // Inside the file's last page: a range of bytes, not of whole pages.
             assert_eq!(
-                map.resident((at * page + 7) as u64, (n * page - 7) as u64),
+                map.resident(&file, (at * page + 7) as u64, (n * page - 7) as u64),
                 by_page
             );
         }

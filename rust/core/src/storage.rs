@@ -440,7 +440,7 @@ impl Object for LocalObject {
             .get_or_init(|| crate::mapped::MappedFile::new(&self.file, self.size))
             .as_ref()?;
         // From a cold cache, faults would read the file a few pages at a time: read it instead.
-        map.resident(at, len).then_some(Mapped {
+        map.resident(&self.file, at, len).then_some(Mapped {
             map,
             at,
             counters: &self.counters,
