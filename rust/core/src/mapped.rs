@@ -240,9 +240,9 @@ impl MappedFile {
         })
     }
 
-    /// Whether every page of bytes `at..at + len` of `file` (the file mapped) is in the page cache. A page that is not would
-    /// be read from storage by a fault, a page or a few at a time, where a read of the range asks
-    /// for it whole.
+    /// Whether every page of bytes `at..at + len` of `file` (the file mapped) is in the page
+    /// cache. A page that is not would be read from storage by a fault, a page or a few at a time,
+    /// where a read of the range asks for it whole.
     pub(crate) fn resident(&self, file: &File, at: u64, len: u64) -> bool {
         let page = page_size();
         let (Ok(start), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else {
