@@ -32,6 +32,20 @@ fn at(buf: &mut [u8], rel: usize, n: usize) -> &mut [u8] {
     &mut buf[off..off + n]
 }
 
+/// The fused copy of `dst.len() / piece` pieces of `piece` bytes, `stride` apart in `src`, back
+/// to back into `dst`, each a stream; their registers.
+fn fused(src: &[u8], dst: &mut [u8], piece: usize, stride: usize) -> Vec<u32> {
+    let mut c = Copies::new(true);
+    for (r, d) in dst.chunks_mut(piece).enumerate() {
+        assert!(r * stride + d.len() <= src.len());
+        c.copy((r * stride) as u64, d);
+        c.end_stream();
+    }
+    // SAFETY: every piece lies inside `src` (asserted above); `available` was checked.
+    unsafe { c.run(src.as_ptr()) };
+    c.into_regs()
+}
+
 fn main() {
     let args: Vec<usize> = std::env::args()
         .skip(1)
@@ -51,15 +65,7 @@ fn main() {
     println!("{} MiB in 64 KiB stripes, one thread", n >> 20);
     for rel in [0, 64, 128, 2048] {
         let t = best(reps, || {
-            let dst = at(&mut dst_buf, rel, n);
-            let mut c = Copies::new(true);
-            for (k, d) in dst.chunks_mut(STRIPE).enumerate() {
-                c.copy((k * STRIPE) as u64, d);
-                c.end_stream();
-            }
-            // SAFETY: `src` is readable for `n` bytes, the copies reach `n`; `available`.
-            unsafe { c.run(src.as_ptr()) };
-            c.into_regs()
+            fused(src, at(&mut dst_buf, rel, n), STRIPE, STRIPE)
         });
         assert!(at(&mut dst_buf, rel, n) == src);
         println!(
@@ -74,15 +80,7 @@ fn main() {
     for (piece, stride) in [(1456, 5824), (1456, 1456), (5824, 5824)] {
         let rows = n / stride;
         let t = best(reps, || {
-            let dst = at(&mut dst_buf, 64, rows * piece);
-            let mut c = Copies::new(true);
-            for (r, d) in dst.chunks_mut(piece).enumerate() {
-                c.copy((r * stride) as u64, d);
-                c.end_stream();
-            }
-            // SAFETY: as above; the last piece ends inside the source.
-            unsafe { c.run(src.as_ptr()) };
-            c.into_regs()
+            fused(src, at(&mut dst_buf, 64, rows * piece), piece, stride)
         });
         println!(
             "fused, {piece:4} B pieces {stride:4} B apart   {:.2} GB/s",
