@@ -8,10 +8,10 @@ On a shared machine whose speed drifts by more than the differences looked for (
 compares moments more than modes; here every mode gets its turn in every round (in reverse order
 every other round), and the first round is not counted. Modes: `raw` (the `pread` of each loading
 rank's share of the state from one file per saving rank, the bench's roofline) and the `read=`
-modes of `olmo_chunks.checkpoint.load` (`auto`, `once`, `direct`). Each load starts from the
-page cache warmed (or dropped, `--cold`) and the destination as it was; rank 0 prints, per mode,
-the median and best seconds of the slowest rank, the median's fraction of the raw read's, and
-what `auto` chose and why.
+modes of `olmo_chunks.checkpoint.load` (`auto`, `once`, `direct`). As in the bench, each load
+starts from fresh zeros and the page cache warmed (or dropped, `--cold`). Rank 0 prints, per
+mode, the median and best seconds of the slowest rank, the median's fraction of the raw read's,
+and what `auto` chose and why.
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ def _main(rank: int, url: str, root: str, args: argparse.Namespace) -> None:
     why = ""
     for i in range(args.loads + 1):
         for mode in args.modes if i % 2 == 0 else args.modes[::-1]:
-            if dst is not None:
-                prepare = bench._drop if args.cold else bench._warm
-                prepare([rawdir if mode == "raw" else path], rank, loaded.ranks)
-            dist.barrier()
+
+            def prepare(mode: str = mode) -> None:
+                bench._prepare(dst, rawdir if mode == "raw" else path, args.cold, rank, loaded.ranks)
 
             def load(mode: str = mode) -> None:
                 nonlocal why
@@ -72,7 +71,7 @@ def _main(rank: int, url: str, root: str, args: argparse.Namespace) -> None:
                     if mode == "auto":
                         why = f"chose {r.read}: {r.reading.why}"
 
-            seconds = bench.timed(load)
+            seconds = bench.timed(load, before=prepare)
             if i:
                 times[mode].append(seconds)
     if rank == 0:
