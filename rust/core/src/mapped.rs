@@ -283,19 +283,20 @@ impl MappedFile {
         if !fused::available() || reach.is_none_or(|e| e > self.len) {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        // SAFETY: the copies stay inside the mapping (checked above); a page the file lost under
-        // us reads as zeros (`on_sigbus`) and the copy is then refused below.
-        unsafe { copies.run((self.base as *const u8).add(at as usize)) };
         // Mapped pages count in the process's RSS (and in what the OOM killer weighs): let go of
-        // all of them each time another `HELD` bytes have been copied out (the page cache keeps
-        // them; a copy still under way faults its own back in). Rarely: each time is a flush of
-        // the TLBs of the process's other threads.
+        // all of them each time copies of another `HELD` bytes have started (the page cache keeps
+        // them; a copy under way faults its own back in). Counted as copies start, so that the
+        // pages of those still under way count too. Rarely: each time is a flush of the TLBs of
+        // the process's other threads.
         let n = copies.bytes();
         if self.held.fetch_add(n, Ordering::Relaxed) + n >= HELD {
             self.held.store(0, Ordering::Relaxed);
             // SAFETY: advice on our own read-only shared mapping, whole.
             unsafe { libc::madvise(self.base, self.len, libc::MADV_DONTNEED) };
         }
+        // SAFETY: the copies stay inside the mapping (checked above); a page the file lost under
+        // us reads as zeros (`on_sigbus`) and the copy is then refused below.
+        unsafe { copies.run((self.base as *const u8).add(at as usize)) };
         if self.slot.faulted.load(Ordering::Acquire) {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
