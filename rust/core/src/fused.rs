@@ -341,32 +341,80 @@ unsafe fn three(
     regs: [u32; 3],
     pf: [(*const u8, usize); 3],
 ) -> [u32; 3] {
-    use std::arch::x86_64::{_mm_crc32_u64, _mm_prefetch, _mm_stream_si64, _MM_HINT_T0};
-    let mut r = regs.map(u64::from);
     let words = n / 8;
-    for i in 0..words {
-        if i % 8 == 0 {
-            for (p, len) in pf {
-                if 8 * i < len {
-                    _mm_prefetch(p.add(8 * i) as *const i8, _MM_HINT_T0);
-                }
-            }
-        }
-        for k in 0..3 {
-            let (src, dst) = s[k];
-            let w = (src.add(8 * i) as *const u64).read_unaligned();
-            if !dst.is_null() {
-                _mm_stream_si64(dst.add(8 * i) as *mut i64, w as i64);
-            }
-            r[k] = _mm_crc32_u64(r[k], w);
-        }
-    }
+    let r = regs.map(u64::from);
+    // One loop per set of lanes that store (a lane whose destination is null only sums), so that
+    // the loop tests nothing per word.
+    let r = match s.map(|(_, d)| !d.is_null()) {
+        [true, true, true] => words3::<true, true, true>(s, words, r, pf),
+        [true, true, false] => words3::<true, true, false>(s, words, r, pf),
+        [true, false, true] => words3::<true, false, true>(s, words, r, pf),
+        [true, false, false] => words3::<true, false, false>(s, words, r, pf),
+        [false, true, true] => words3::<false, true, true>(s, words, r, pf),
+        [false, true, false] => words3::<false, true, false>(s, words, r, pf),
+        [false, false, true] => words3::<false, false, true>(s, words, r, pf),
+        [false, false, false] => words3::<false, false, false>(s, words, r, pf),
+    };
     let tail = 8 * words;
     std::array::from_fn(|k| {
         let (src, dst) = s[k];
         let d = if dst.is_null() { dst } else { dst.add(tail) };
         one(src.add(tail), d, n - tail, r[k] as u32, true)
     })
+}
+
+/// The first `words` 8-byte words of [`three`], a 64-byte line of each lane a step; lane `k`
+/// stores where `Sk`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+#[inline]
+unsafe fn words3<const S0: bool, const S1: bool, const S2: bool>(
+    s: [(*const u8, *mut u8); 3],
+    words: usize,
+    mut r: [u64; 3],
+    pf: [(*const u8, usize); 3],
+) -> [u64; 3] {
+    use std::arch::x86_64::{_mm_crc32_u64, _mm_prefetch, _mm_stream_si64, _MM_HINT_T0};
+    let [(s0, d0), (s1, d1), (s2, d2)] = s;
+    let step = |o: usize, r: &mut [u64; 3]| {
+        let a = (s0.add(o) as *const u64).read_unaligned();
+        let b = (s1.add(o) as *const u64).read_unaligned();
+        let c = (s2.add(o) as *const u64).read_unaligned();
+        if S0 {
+            _mm_stream_si64(d0.add(o) as *mut i64, a as i64);
+        }
+        if S1 {
+            _mm_stream_si64(d1.add(o) as *mut i64, b as i64);
+        }
+        if S2 {
+            _mm_stream_si64(d2.add(o) as *mut i64, c as i64);
+        }
+        r[0] = _mm_crc32_u64(r[0], a);
+        r[1] = _mm_crc32_u64(r[1], b);
+        r[2] = _mm_crc32_u64(r[2], c);
+    };
+    let ask = |at: usize| {
+        for (p, len) in pf {
+            if at < len {
+                _mm_prefetch(p.add(at) as *const i8, _MM_HINT_T0);
+            }
+        }
+    };
+    let lines = words / 8;
+    for line in 0..lines {
+        let at = 64 * line;
+        ask(at);
+        for w in 0..8 {
+            step(at + 8 * w, &mut r);
+        }
+    }
+    if 8 * lines < words {
+        ask(64 * lines);
+    }
+    for w in 8 * lines..words {
+        step(8 * w, &mut r);
+    }
+    r
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
