@@ -7,9 +7,11 @@ On a shared machine whose speed drifts by more than the differences looked for (
 2-core VM moved by 60% within an hour), a best of a few timings per cell, taken minutes apart,
 compares moments more than modes; here every mode gets its turn in every round (in reverse order
 every other round), and the first round is not counted. Modes: `raw` (the `pread` of each loading
-rank's share of the state from one file per saving rank, the bench's roofline) and the `read=`
+rank's share of the checkpoint's own data files, the bench's roofline) and the `read=`
 modes of `olmo_chunks.checkpoint.load` (`auto`, `once`, `direct`). As in the bench, each load
-starts from fresh zeros and the page cache warmed (or dropped, `--cold`). Rank 0 prints, per
+starts from fresh zeros and the page cache warmed (or dropped, `--cold`); `--small-pages` holds
+the files in 4 KiB pages, as a save leaves them where memory is short of free 2 MiB blocks
+(`page_cache.py`). Rank 0 prints, per
 mode, the median and best seconds of the slowest rank, the median's fraction of the raw read's,
 and what `auto` chose and why.
 """
@@ -23,6 +25,7 @@ import statistics
 import tempfile
 import warnings
 
+import page_cache
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -38,19 +41,18 @@ def _main(rank: int, url: str, root: str, args: argparse.Namespace) -> None:
     bench._make_meshes()
     groups = {n: dist.new_group(list(range(n))) for n in (2, 4)}
     (_, saved, loaded), = [p for p in bench.PAIRS if p[0] == args.pair]
-    path, rawdir = os.path.join(root, "ck"), os.path.join(root, "raw")
+    path = os.path.join(root, "ck")
     src = bench._hold(specs, saved, rank)
     if src is not None:
         bench._fill(src)
         checkpoint.save(src.native, path, process_group=groups[saved.ranks])
     del src
-    total = bench.state_nbytes(specs)
-    raw_files = [(os.path.join(rawdir, f"rank-{r}.bin"), bench._share(total, saved.ranks, r)[1])
-                 for r in range(saved.ranks)]
-    if rank < saved.ranks:
-        os.makedirs(rawdir, exist_ok=True)
-        bench._raw_write(raw_files[rank][0], torch.full((raw_files[rank][1],), 0x5A, dtype=torch.uint8))
+    raw_files = bench.data_files(path)
+    if args.small_pages:
+        for f, _ in raw_files[rank::RANKS]:
+            page_cache.rewrite(f, 4096)
     dist.barrier()
+    total = bench.state_nbytes(specs)
     share = bench._share(total, loaded.ranks, rank)
     out = torch.zeros(share[1], dtype=torch.uint8)
     dst = bench._hold(specs, loaded, rank)
@@ -60,7 +62,7 @@ def _main(rank: int, url: str, root: str, args: argparse.Namespace) -> None:
         for mode in args.modes if i % 2 == 0 else args.modes[::-1]:
 
             def prepare(mode: str = mode) -> None:
-                bench._prepare(dst, rawdir if mode == "raw" else path, args.cold, rank, loaded.ranks)
+                bench._prepare(dst, path, args.cold, rank, loaded.ranks)
 
             def load(mode: str = mode) -> None:
                 nonlocal why
@@ -96,6 +98,8 @@ def main() -> None:
                    type=lambda s: [m for m in s.split(",") if m])
     p.add_argument("--loads", type=int, default=8)
     p.add_argument("--cold", action="store_true", help="drop the page cache before each load")
+    p.add_argument("--small-pages", action="store_true",
+                   help="hold the checkpoint's files in the page cache in 4 KiB pages (rewritten so after the save)")
     p.add_argument("--root", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args()
     bad = [m for m in args.modes if m not in ("raw", "auto", "once", "direct")]

@@ -34,6 +34,22 @@ def test_model_spec_is_olmo_like_and_sized() -> None:
     assert len(specs) == 3 * len({s.key for s in specs if s.key.startswith("model.")})
 
 
+def test_the_raw_read_reads_the_checkpoints_own_bytes(tmp_path: Path) -> None:
+    """The load roofline reads the native checkpoint's data files: a one-tensor checkpoint's file
+    starts with the tensor's bytes, and only its data files are listed."""
+    from olmo_chunks import checkpoint
+
+    t = torch.arange(3 << 18, dtype=torch.int32)
+    checkpoint.save({"t": t}, str(tmp_path / "ck"))
+    files = bench.data_files(str(tmp_path / "ck"))
+    assert [(Path(f).parent.parent.name, Path(f).suffix) for f, _ in files] == [("data", ".bin")]
+    assert files[0][1] == os.path.getsize(files[0][0]) >= t.nbytes
+    out = torch.zeros(t.nbytes, dtype=torch.uint8)
+    bench._raw_read(files, 0, out)
+    assert torch.equal(out.view(torch.int32), t)
+    assert bench.data_files(str(tmp_path / "missing")) == []
+
+
 def test_reshard_bench_tiny(tmp_path: Path, s3) -> None:
     url = f"s3://{s3.bucket()}/runs"
     opts = bench.Options(size_bytes=3 << 20, reps=1, root=str(tmp_path), threads=(1, 2), url=url,

@@ -11,8 +11,15 @@ in layout B, for several pairs, through every contender on the same data:
 - `ours-dcp`: `dcp.save` / `dcp.load` with `ChunkStoreWriter` / `ChunkStoreReader` + `FastLoadPlanner`,
 - `dcp-fs t=K`: `dcp.save` with `FileSystemWriter(thread_count=K)` (K = 1 and the core count), and
   `dcp.load` with `FileSystemReader`,
-- the roofline: one file per saving rank written and fsynced in parallel (raw write), and the same
-  bytes read back from the page cache into preallocated memory by the loading ranks (raw read).
+- the roofline: one file per saving rank written and fsynced in parallel (raw write), and the
+  bytes of `native`'s own data files read from the page cache into preallocated memory by the
+  loading ranks, each its share of them (raw read): the same bytes in the same pages. How the page
+  cache holds a file changes how fast it reads, and it is decided when the file is written: a
+  file written in 4 KiB writes, or while memory is short of free 2 MiB blocks, is held in 4 KiB
+  pages, one written in large writes into free memory in 2 MiB folios. A `pread` of 1 GiB then
+  takes 122-143 against 85-96 ms, and a mapping's page faults 104-114 against 6 ms
+  (`benches/page_cache.py`); in a 2 GiB run 29-40% of `native`'s pages were 4 KiB pages against
+  3% of the raw write's files, written first, whose read was the roofline until then.
 
 Loads read a checkpoint whose files were read once just before (warm page cache), or with
 `--cold` dropped from the page cache just before, for every contender alike. Every
@@ -394,6 +401,13 @@ def _counted_reader(path: str) -> Any:
     return reader
 
 
+def data_files(path: str) -> list[tuple[str, int]]:
+    """`(file, size)` of the data files of the native checkpoint at `path`, in name order."""
+    data = os.path.join(path, "data")
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs if f.endswith(".bin"))
+    return [(f, os.path.getsize(f)) for f in files]
+
+
 def _files(paths: list[str], rank: int, ranks: int) -> list[str]:
     """This loading rank's share of the files under `paths`."""
     return sorted(os.path.join(d, f) for p in paths for d, _, fs in os.walk(p) for f in fs)[rank::ranks]
@@ -542,8 +556,8 @@ def _stall_step(method: str, held: _Held | None, path: str, nbytes: int, raw_buf
 
 
 def _tries(method: str) -> int:
-    """Timings of `method` per repetition, the best kept, each after its own preparation (fresh
-    zeros, the page cache warmed or dropped). The raw-read roofline is a limit, and one read of it
+    """Timings of `method` per repetition (one a round), the best kept, each after its own
+    preparation (fresh zeros, the page cache warmed or dropped). The raw-read roofline is a limit, and one read of it
     came out at a third of the others in some runs (3.6-3.9 GB/s against 10.8-12.5 on the other
     pairs at 2 GiB). The default and its two read modes, whose times it is measured against
     (`of best`), differ by a few ms at 0.5 GiB, where one timing each varies by more than that
@@ -680,6 +694,10 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                     shutil.rmtree(stall_path, ignore_errors=True)
                 dist.barrier()
             del src
+            if mine[0]:  # the raw write's file is never read: the raw read reads native's files
+                os.remove(mine[0])
+            read_files = data_files(paths["native"])
+            dist.barrier()
             for name, a2, b in PAIRS:
                 if a2 != a:
                     continue
@@ -689,22 +707,37 @@ def run_on_rank(opts: Options) -> dict[str, Any] | None:  # noqa: PLR0915
                 loads = ["native", "native-once", "native-direct", "native-noverify", *contenders[1:]]
                 if opts.url:  # auto's choice on the object store, against both of its modes there
                     loads += [f"native-once{URL_SUFFIX}", f"native-direct{URL_SUFFIX}"]
-                for method in ["raw", *_rotated(loads, rep)]:
-                    src_path = os.path.join(root, "raw") if method == "raw" else paths[_base(method)]
-                    prepare = functools.partial(_prepare, dst, src_path, opts.cold, rank, b.ranks)
-                    _core.set_read_pace(int(opts.storage_gbps * 1e9 / b.ranks) if dst is not None else 0)
-                    before, sent, tries = _storage_reads(), _requests(opts.url), _tries(method)
-                    try:
-                        with _PeakRss() as peak:
-                            fn = _load_fn(method, dst, paths.get(_base(method), ""), raw_files,
-                                          _share(total, b.ranks, rank), groups[b.ranks], peak)
-                            seconds = min(timed(fn, before=prepare) for _ in range(tries))
-                    finally:
-                        _core.set_read_pace(0)
-                    if dst is not None and method not in ("raw", RAW_URL) and rep == 0 and opts.verify:
-                        _check(dst, f"{name} {method}")
-                    record("load", name, method, seconds, peak.extra, _requests(opts.url) - sent,
-                           (_storage_reads() - before) // tries)
+                methods = ["raw", *_rotated(loads, rep)]
+                took: dict[str, list[float]] = {m: [] for m in methods}
+                rss, reqs, read = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0), dict.fromkeys(methods, 0)
+                fns: dict[str, Callable[[], Any]] = {}
+                # Rounds: every method's tries spread over the same minutes (the machine's speed
+                # drifts by more than the gaps measured), in reverse order every other round.
+                for rnd in range(max(map(_tries, methods))):
+                    for method in methods if rnd % 2 == 0 else methods[::-1]:
+                        if rnd >= _tries(method):
+                            continue
+                        src_path = paths["native" if method == "raw" else _base(method)]
+                        prepare = functools.partial(_prepare, dst, src_path, opts.cold, rank, b.ranks)
+                        _core.set_read_pace(int(opts.storage_gbps * 1e9 / b.ranks) if dst is not None else 0)
+                        before, asked = _storage_reads(), _requests(opts.url)
+                        try:
+                            with _PeakRss() as peak:
+                                if method not in fns:
+                                    fns[method] = _load_fn(method, dst, paths.get(_base(method), ""),
+                                                           raw_files if method == RAW_URL else read_files,
+                                                           _share(total, b.ranks, rank), groups[b.ranks], peak)
+                                took[method].append(timed(fns[method], before=prepare))
+                        finally:
+                            _core.set_read_pace(0)
+                        rss[method] = max(rss[method], peak.extra)
+                        reqs[method] += _requests(opts.url) - asked
+                        read[method] += _storage_reads() - before
+                        if dst is not None and method not in ("raw", RAW_URL) and rep == 0 and rnd == 0 and opts.verify:
+                            _check(dst, f"{name} {method}")
+                for method in methods:
+                    record("load", name, method, min(took[method]), rss[method], reqs[method],
+                           read[method] // _tries(method))
                 del dst
             dist.barrier()
             if rank == 0:
