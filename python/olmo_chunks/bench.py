@@ -557,11 +557,11 @@ def _stall_step(method: str, held: _Held | None, path: str, nbytes: int, raw_buf
 
 def _tries(method: str) -> int:
     """Timings of `method` per repetition (one a round), the best kept, each after its own
-    preparation (fresh zeros, the page cache warmed or dropped). The raw-read roofline is a limit, and one read of it
-    came out at a third of the others in some runs (3.6-3.9 GB/s against 10.8-12.5 on the other
-    pairs at 2 GiB). The default and its two read modes, whose times it is measured against
-    (`of best`), differ by a few ms at 0.5 GiB, where one timing each varies by more than that
-    (cold, by 20%)."""
+    preparation (fresh zeros, the page cache warmed or dropped). The raw-read roofline is a
+    limit, and one read of it came out at a third of the others in some runs (3.6-3.9 GB/s
+    against 10.8-12.5 on the other pairs at 2 GiB). The default and its two read modes, whose
+    times it is measured against (`of best`), differ by a few ms at 0.5 GiB, where one timing
+    each varies by more than that (cold, by 20%)."""
     return 3 if method in ("raw", "native", "native-once", "native-direct") else 1
 
 
