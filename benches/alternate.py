@@ -19,6 +19,7 @@ and what `auto` chose and why.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -47,9 +48,9 @@ def _main(rank: int, url: str, root: str, args: argparse.Namespace) -> None:
         bench._fill(src)
         checkpoint.save(src.native, path, process_group=groups[saved.ranks])
     del src
-    raw_files = bench.data_files(path)
+    files = bench.data_files(path)
     if args.small_pages:
-        for f, _ in raw_files[rank::RANKS]:
+        for f, _ in files[rank::RANKS]:
             page_cache.rewrite(f, 4096)
     dist.barrier()
     total = bench.state_nbytes(specs)
@@ -58,16 +59,14 @@ def _main(rank: int, url: str, root: str, args: argparse.Namespace) -> None:
     dst = bench._hold(specs, loaded, rank)
     times: dict[str, list[float]] = {m: [] for m in args.modes}
     why = ""
+    prepare = functools.partial(bench._prepare, dst, path, args.cold, rank, loaded.ranks)
     for i in range(args.loads + 1):
         for mode in args.modes if i % 2 == 0 else args.modes[::-1]:
-
-            def prepare(mode: str = mode) -> None:
-                bench._prepare(dst, path, args.cold, rank, loaded.ranks)
 
             def load(mode: str = mode) -> None:
                 nonlocal why
                 if dst is not None and mode == "raw":
-                    bench._raw_read(raw_files, share[0], out)
+                    bench._raw_read(files, share[0], out)
                 elif dst is not None:
                     r = checkpoint.load(dst.native, path, process_group=groups[loaded.ranks], read=mode)
                     if mode == "auto":

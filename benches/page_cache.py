@@ -64,13 +64,11 @@ def large_folio_share(path: str) -> float | None:
         return None
     n = os.path.getsize(path)
     with kf, open(path, "rb") as f, mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ) as m:
-        a = np.frombuffer(m, dtype=np.uint8)
-        int(a[::4096].sum())  # maps every page
+        at = _touch(m)
         pages = (n + 4095) // 4096
         with open("/proc/self/pagemap", "rb") as pm:
-            pm.seek(a.ctypes.data // 4096 * 8)
+            pm.seek(at // 4096 * 8)
             entries = struct.unpack(f"{pages}Q", pm.read(8 * pages))
-        del a
         runs, run = [], 0
         for e in entries:
             kf.seek((e & ((1 << 55) - 1)) * 8)
@@ -96,11 +94,16 @@ def _preads(files: list[tuple[str, int]], out: torch.Tensor, parts: int) -> None
         t.join()
 
 
+def _touch(m: mmap.mmap) -> int:
+    """Reads a byte of every page of the mapping `m`, which maps each; the mapping's address."""
+    a = np.frombuffer(m, dtype=np.uint8)
+    int(a[::4096].sum())
+    return int(a.ctypes.data)
+
+
 def _faults(fd: int, n: int) -> None:
     with mmap.mmap(fd, n, prot=mmap.PROT_READ) as m:
-        a = np.frombuffer(m, dtype=np.uint8)
-        int(a[::4096].sum())
-        del a
+        _touch(m)
 
 
 def main() -> None:
