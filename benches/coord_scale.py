@@ -33,6 +33,7 @@ import itertools
 import multiprocessing as mp
 import os
 import resource
+import socket
 import statistics
 import struct
 import subprocess
@@ -88,8 +89,7 @@ class _Now:
         self.core, self.mod, self.host, self.port = _core, _dist, host, port
 
     def client(self, timeout: float, rtt: float) -> Any:
-        # Generous: the connections of thousands of ranks at once queue at the server (this
-        # sandbox's server also stalls ~5 s on 1 connection in 50, a reverse lookup of the peer).
+        # Generous: the connections of thousands of ranks at once queue at the server.
         return self.core.StoreClient(self.host, self.port, max(timeout, 600), rtt)
 
     def group(self, rank: int, size: int, store: Any, prefix: str, peer_timeout: float) -> Any:
@@ -97,10 +97,9 @@ class _Now:
 
 
 def _describe(rank: int) -> tuple[dict, dict, bool, dict]:
-    """A rank's message of a save's plan step: a few tensors' regions (about 300 bytes)."""
-    from olmo_chunks import _core
-
-    tensors = {f"layers.{i}.w": ("float32", [4096, 4096], "main", [_core.Box([rank * 16, 0], [16, 4096])])
+    """A rank's message of a save's plan step: a few tensors' regions (about 300 bytes; plain
+    data, which the coordination of `--protocol before` also accepts)."""
+    tensors = {f"layers.{i}.w": ("float32", [4096, 4096], "main", [([rank * 16, 0], [16, 4096])])
                for i in range(3)}
     return tensors, {}, False, {"path": "/ckpt", "overwrite": True, "block_size": 1 << 20, "compression": None}
 
@@ -204,8 +203,16 @@ def main() -> None:
     import torch.distributed as dist
     from olmo_chunks import _core
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    host, port = "127.0.0.1", server.port
+    # The server listens on an IPv4 socket of its own: on the dual-stack socket torch would open,
+    # every client is `::ffff:127.0.0.1`, which /etc/hosts does not name, and the server's event
+    # loop resolves each new connection's peer through DNS (this sandbox's DNS server drops about
+    # one query in 50: a 5 s stall of every rank, each time).
+    listener = socket.socket(socket.AF_INET)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(socket.SOMAXCONN)
+    host, port = listener.getsockname()
+    _server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,  # alive until the end
+                            master_listen_fd=listener.fileno())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(list(range(i, args.ranks, args.procs)), args.ranks, args, host, port, q))

@@ -229,3 +229,18 @@ def test_save_staging_bench_tiny(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "files of 0.5 MiB" in out.stdout and "olmo_chunks save (double-buffered)" in out.stdout
     assert os.listdir(tmp_path) == []  # its checkpoints are removed
+
+
+@pytest.mark.parametrize("protocol", ["now", "before"])
+def test_coord_scale_tiny(protocol: str) -> None:
+    """The coordination harness runs both protocols to the end: every step, then one failure that
+    reaches every simulated rank (the harness exits non-zero otherwise)."""
+    if protocol == "before" and subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", "eedafe9"],
+                                               capture_output=True).returncode != 0:
+        pytest.skip("the history holding the old protocol is not in this clone")
+    out = subprocess.run([sys.executable, str(ROOT / "benches" / "coord_scale.py"), "--ranks", "16", "--procs", "2",
+                          "--ops", "2", "--protocol", protocol], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "a failure on rank 15 reached all 16 ranks" in lines[-2]
+    assert lines[-1].startswith("coordination: 16 ranks, ") and "ms per step (median)" in lines[-1]

@@ -62,6 +62,24 @@ def test_the_heartbeat_beats_from_a_native_thread(server):
     assert beats >= 4 and int(server.get("hb/test")) == beats
 
 
+def test_the_heartbeat_sleeps_until_its_next_beat_yet_stops_and_speeds_up_at_once(server):
+    """Between beats the thread waits on a condition variable (no polling): a shorter interval
+    takes effect at once, and stop() returns at once, whatever the interval."""
+    hb = _core.Heartbeat("127.0.0.1", server.port, "hb/slow", 3600.0, 10.0)
+    time.sleep(0.2)
+    assert hb.beats == 1  # the first beat, sent by the constructor; the next is an hour away
+    hb.set_interval(0.02)
+    deadline = time.monotonic() + 5
+    while hb.beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hb.beats >= 3
+    hb.set_interval(3600.0)
+    t0 = time.monotonic()
+    hb.stop()
+    assert time.monotonic() - t0 < 1
+    assert int(server.get("hb/slow")) == hb.beats
+
+
 def test_a_server_that_never_answers_ends_in_timeout_error():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -20,7 +20,9 @@ once every peer has read the last outcome (`Group.close`), so a script that exit
 save never turns a committed save into an error on the others.
 
 Cost per step at N ranks: each peer 3 store calls (append, add, wait+get), the root O(1) calls
-moving O(N) bytes; see benches/coord_scale.py.
+moving O(N) bytes; see benches/coord_scale.py. Once per process: two connections to the store
+(the coordinating thread's and the heartbeat's), each of which torch's server resolves (a reverse
+DNS lookup of the peer, in its event loop) when it accepts it.
 """
 
 from __future__ import annotations

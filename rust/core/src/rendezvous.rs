@@ -15,8 +15,8 @@
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -290,12 +290,19 @@ impl StoreClient {
 }
 
 /// A thread bumping `key` in the store every `interval` until stopped (or dropped). It holds its
-/// own connection and reconnects after a failure; it never touches Python.
+/// own connection and reconnects after a failure; it never touches Python. Between beats it sleeps
+/// on a condition variable (woken by `stop` and `set_interval`), not in polling slices: at
+/// thousands of ranks per host, as `benches/coord_scale.py` simulates, slices of 50 ms were 20
+/// wake-ups per second per rank.
 pub struct Heartbeat {
-    stop: Arc<AtomicBool>,
-    interval_ms: Arc<AtomicU64>,
+    state: Arc<(Mutex<Beat>, Condvar)>,
     beats: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Beat {
+    stop: bool,
+    interval: Duration,
 }
 
 impl Heartbeat {
@@ -311,24 +318,41 @@ impl Heartbeat {
     ) -> io::Result<Self> {
         let mut client = StoreClient::connect(host, port, timeout, Duration::ZERO)?;
         client.add(key, 1)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let interval_ms = Arc::new(AtomicU64::new(interval.as_millis().max(1) as u64));
+        let state = Arc::new((
+            Mutex::new(Beat {
+                stop: false,
+                interval: interval.max(Duration::from_millis(1)),
+            }),
+            Condvar::new(),
+        ));
         let beats = Arc::new(AtomicU64::new(1));
-        let (s, i, b) = (stop.clone(), interval_ms.clone(), beats.clone());
+        let (st, b) = (state.clone(), beats.clone());
         let (host, key) = (host.to_string(), key.to_string());
         let thread = std::thread::Builder::new()
             .name("olmo-chunks-heartbeat".into())
             .spawn(move || {
                 let mut client = Some(client);
-                while !s.load(Ordering::Relaxed) {
-                    let next = Instant::now() + Duration::from_millis(i.load(Ordering::Relaxed));
-                    // Sleep in short slices so that stop() returns promptly.
-                    while !s.load(Ordering::Relaxed) && Instant::now() < next {
-                        std::thread::sleep((next - Instant::now()).min(Duration::from_millis(50)));
+                let mut last = Instant::now();
+                loop {
+                    {
+                        let (lock, cv) = &*st;
+                        let mut beat = lock.lock().unwrap_or_else(|p| p.into_inner());
+                        loop {
+                            if beat.stop {
+                                return;
+                            }
+                            let due = last + beat.interval;
+                            let now = Instant::now();
+                            if now >= due {
+                                break;
+                            }
+                            beat = cv
+                                .wait_timeout(beat, due - now)
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0;
+                        }
                     }
-                    if s.load(Ordering::Relaxed) {
-                        break;
-                    }
+                    last = Instant::now();
                     if client.is_none() {
                         client = StoreClient::connect(&host, port, timeout, Duration::ZERO).ok();
                     }
@@ -341,17 +365,22 @@ impl Heartbeat {
                 }
             })?;
         Ok(Heartbeat {
-            stop,
-            interval_ms,
+            state,
             beats,
             thread: Mutex::new(Some(thread)),
         })
     }
 
+    fn with<T>(&self, f: impl FnOnce(&mut Beat) -> T) -> T {
+        let (lock, cv) = &*self.state;
+        let out = f(&mut lock.lock().unwrap_or_else(|p| p.into_inner()));
+        cv.notify_all();
+        out
+    }
+
     /// Beats at least every `interval` from now on.
     pub fn set_interval(&self, interval: Duration) {
-        self.interval_ms
-            .store(interval.as_millis().max(1) as u64, Ordering::Relaxed);
+        self.with(|b| b.interval = interval.max(Duration::from_millis(1)));
     }
 
     /// Beats sent so far.
@@ -361,7 +390,7 @@ impl Heartbeat {
 
     /// Stops the thread and waits for it.
     pub fn stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.with(|b| b.stop = true);
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
