@@ -80,6 +80,31 @@ def test_the_heartbeat_sleeps_until_its_next_beat_yet_stops_and_speeds_up_at_onc
     assert int(server.get("hb/slow")) == hb.beats
 
 
+def test_a_process_whose_store_host_died_exits_at_once():
+    """The heartbeat reconnects to a store whose host died for its whole timeout; the process's
+    exit (which stops it) no longer waits for that: it took 30 s with a 30 s timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                             f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+                             "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None and host.stdout.readline().strip() == "up"
+        child = subprocess.Popen([sys.executable, "-c", "import sys; from olmo_chunks import _core; "
+                                  f"hb = _core.Heartbeat('127.0.0.1', {port}, 'hb/x', 0.05, 30.0); "
+                                  "print('beating', flush=True); sys.stdin.readline()"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline().strip() == "beating"
+    finally:
+        host.kill()
+        host.wait()
+    time.sleep(0.5)  # the heartbeat finds the store gone and reconnects, in vain
+    t0 = time.monotonic()
+    child.communicate("exit\n", timeout=60)
+    assert child.returncode == 0 and time.monotonic() - t0 < 10
+
+
 def test_a_server_that_never_answers_ends_in_timeout_error():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

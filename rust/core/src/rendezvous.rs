@@ -303,7 +303,24 @@ pub struct Heartbeat {
 struct Beat {
     stop: bool,
     interval: Duration,
+    /// Set by the thread as it ends (`Ended`).
+    ended: bool,
 }
+
+/// Marks the thread's state ended when the thread returns (or unwinds), for `Heartbeat::stop`.
+struct Ended(Arc<(Mutex<Beat>, Condvar)>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.0;
+        lock.lock().unwrap_or_else(|p| p.into_inner()).ended = true;
+        cv.notify_all();
+    }
+}
+
+/// How long `Heartbeat::stop` waits for a thread that is inside a store call (a reconnect to a
+/// store whose host died retries for the whole timeout) before it leaves it behind.
+const STOP_WAIT: Duration = Duration::from_millis(200);
 
 impl Heartbeat {
     /// Connects (once, so that a bad address is an error here) and starts beating; `timeout`
@@ -322,6 +339,7 @@ impl Heartbeat {
             Mutex::new(Beat {
                 stop: false,
                 interval: interval.max(Duration::from_millis(1)),
+                ended: false,
             }),
             Condvar::new(),
         ));
@@ -331,6 +349,7 @@ impl Heartbeat {
         let thread = std::thread::Builder::new()
             .name("olmo-chunks-heartbeat".into())
             .spawn(move || {
+                let _ended = Ended(st.clone());
                 let mut client = Some(client);
                 let mut last = Instant::now();
                 loop {
@@ -355,6 +374,9 @@ impl Heartbeat {
                     last = Instant::now();
                     if client.is_none() {
                         client = StoreClient::connect(&host, port, timeout, Duration::ZERO).ok();
+                        if st.0.lock().unwrap_or_else(|p| p.into_inner()).stop {
+                            return; // stopped while reconnecting: no beat after `stop`
+                        }
                     }
                     match client.as_mut().map(|c| c.add(&key, 1)) {
                         Some(Ok(_)) => {
@@ -388,10 +410,26 @@ impl Heartbeat {
         self.beats.load(Ordering::Relaxed)
     }
 
-    /// Stops the thread and waits for it.
+    /// Stops the thread: no beat starts after this returns. Waits for the thread to end, at most
+    /// `STOP_WAIT` where it is inside a store call (reconnecting to a store whose host died, which
+    /// retries for the whole timeout): a process exiting after rank 0 died took 30 s to exit,
+    /// joining it. The thread left behind ends after that call.
     pub fn stop(&self) {
         self.with(|b| b.stop = true);
-        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
+        let (lock, cv) = &*self.state;
+        let ended = cv
+            .wait_timeout_while(
+                lock.lock().unwrap_or_else(|p| p.into_inner()),
+                STOP_WAIT,
+                |b| !b.ended,
+            )
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .ended;
+        if ended {
             let _ = t.join();
         }
     }
