@@ -412,8 +412,9 @@ impl Heartbeat {
 
     /// Stops the thread: no beat starts after this returns. Waits for the thread to end, at most
     /// `STOP_WAIT` where it is inside a store call (reconnecting to a store whose host died, which
-    /// retries for the whole timeout): a process exiting after rank 0 died took 30 s to exit,
-    /// joining it. The thread left behind ends after that call.
+    /// retries for the whole timeout): joining it, a heartbeat dropped after its store's host
+    /// died (one held by `__main__`, at exit) took that timeout. The thread left behind ends
+    /// after that call.
     pub fn stop(&self) {
         self.with(|b| b.stop = true);
         let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() else {
