@@ -193,11 +193,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--rtt-ms", type=float, default=0.0)
-    ap.add_argument("--procs", type=int, default=2, help="processes holding the simulated ranks")
+    ap.add_argument("--procs", type=int, default=None,
+                    help="processes holding the simulated ranks (default: one per 256 ranks, at least 2; "
+                    "thousands of threads in one interpreter queue on its lock, not on the store)")
     ap.add_argument("--ops", type=int, default=6, help="operations, saves and loads alternating")
     ap.add_argument("--peer-timeout", type=float, default=45.0)
     ap.add_argument("--protocol", choices=("now", "before"), default="now")
     args = ap.parse_args()
+    args.procs = args.procs or max(2, -(-args.ranks // 256))
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     import torch.distributed as dist
