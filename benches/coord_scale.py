@@ -142,6 +142,7 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
         g.close()
         times.append(time.time())
     requests = getattr(store, "requests", 0) - requests0
+    waiting = _straggle(proto, rank, size, store, args) if args.straggle > 0 else 0
     # One failure: the last rank fails inside a step; every rank must raise.
     g = proto.group(rank, size, store, "olmo_chunks/sim/fail", args.peer_timeout)
     t_fail = 0.0
@@ -159,7 +160,21 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
         raised_at = time.time()
     g.close(failing=True)
     hb.stop()
-    out[rank] = (times, requests, raised_at, t_fail)
+    out[rank] = (times, requests, raised_at, t_fail, waiting)
+
+
+def _straggle(proto: Any, rank: int, size: int, store: Any, args: argparse.Namespace) -> int:
+    """A straggler: the last rank comes to a step `--straggle` seconds late; what the others ask of
+    the store meanwhile (their looks at liveness and abort notes) is what waiting costs. Returns
+    this rank's requests in that step."""
+    g = proto.group(rank, size, store, "olmo_chunks/sim/straggle", args.peer_timeout)
+    before = getattr(store, "requests", 0)
+    if rank == size - 1:
+        time.sleep(args.straggle)
+    g.agree(lambda: None)
+    waiting: int = getattr(store, "requests", 0) - before
+    g.close()
+    return waiting
 
 
 def _worker(ranks: list[int], size: int, args: argparse.Namespace, host: str, port: int, q: Any) -> None:
@@ -199,6 +214,8 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=6, help="operations, saves and loads alternating")
     ap.add_argument("--peer-timeout", type=float, default=45.0)
     ap.add_argument("--protocol", choices=("now", "before"), default="now")
+    ap.add_argument("--straggle", type=float, default=0.0,
+                    help="then one more step that the last rank comes to this many seconds late")
     args = ap.parse_args()
     args.procs = args.procs or max(2, -(-args.ranks // 256))
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -246,6 +263,11 @@ def main() -> None:
           f"{steps} steps, per step ms min {min(durations):.1f} median {median:.1f} max {max(durations):.1f}")
     print(f"a failure on rank {args.ranks - 1} reached all {args.ranks} ranks in {spread:.0f} ms")
     reqs = f"{per_step:.1f}" if args.protocol == "now" else "n/a (torch client, not counted)"
+    if args.straggle > 0 and args.protocol == "now":
+        rate = sum(results[r][4] for r in results if r != args.ranks - 1) / args.straggle
+        print(f"while rank {args.ranks - 1} came {args.straggle:g} s late, the other {args.ranks - 1} ranks sent the "
+              f"store {rate:.0f} requests per second ({rate / (args.ranks - 1):.2f} per rank, the step's own 4 "
+              "each included)")
     print(f"coordination: {args.ranks} ranks, {median:.1f} ms per step (median), {reqs} store requests per rank "
           "per step")
 

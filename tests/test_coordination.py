@@ -181,3 +181,17 @@ def test_one_rank_with_an_unsupported_compression_fails_both_at_once(tmp_path):
     assert s0 == "err" and m0.startswith("RankFailedError") and "rank 1" in m0, m0
     assert e0 - t0 < 30, e0 - t0
     assert holds(path, 1, 2)
+
+
+def test_waiting_ranks_look_less_often_in_large_groups() -> None:
+    """All the waiting ranks of a group together ask the store's host at most about 4,000
+    requests a second (about 4 per look); never less often than a quarter of peer_timeout."""
+    from olmo_chunks._dist import Group
+
+    def interval(size: int, peer_timeout: float = 45.0) -> float:
+        return Group.simulated(0, size, None, "p", peer_timeout=peer_timeout, arrival_timeout=60).poll_interval
+
+    assert interval(4) == interval(500) == 0.5
+    assert interval(4096) == pytest.approx(4.096)
+    assert 4096 * 4 / interval(4096) <= 4000.0 + 1e-6
+    assert interval(4, peer_timeout=1.0) == 0.25 and interval(4096, peer_timeout=8.0) == 2.0

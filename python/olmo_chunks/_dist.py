@@ -50,8 +50,14 @@ __all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "rank_and_size"
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
-# Longest a waiting rank blocks in the store before it looks at its peers' heartbeats.
+# Longest a waiting rank blocks in the store before it looks at its peers' heartbeats (in groups
+# of up to 500 ranks; `Group.poll_interval`).
 _POLL = 0.5
+# Requests per second that all the waiting ranks of a group ask of the store's host together, at
+# most (about 4 per look: the wait's cancel and renewal, the heartbeats, the abort note): at 4,096
+# ranks, looking every 0.5 s made 18,500 a second while they waited for one late rank
+# (benches/coord_scale.py --straggle).
+_WAIT_BUDGET = 4000.0
 # The most bytes a store step carries into or out of rank 0 (the store's host) in all: what is
 # larger (a load's needs and plans, the manifest, at thousands of ranks) goes by collectives.
 INLINE_BYTES = 1 << 20
@@ -335,6 +341,15 @@ class Group:
         g.store, g.prefix, g.global_ranks = store, prefix, list(range(size))
         return g
 
+    @property
+    def poll_interval(self) -> float:
+        """Seconds a waiting rank lets pass between looks at its peers (liveness, abort notes):
+        `_POLL`, longer in groups so large that their waiting ranks together would ask more than
+        `_WAIT_BUDGET` requests per second of the store's host (4.1 s at 4,096 ranks), and at most a
+        quarter of `peer_timeout`. A silent rank is found dead within peer_timeout plus one
+        interval; a failure inside a step reaches the others at once whatever it is."""
+        return min(max(_POLL, 4 * self.size / _WAIT_BUDGET), self.peer_timeout / 4)
+
     def __enter__(self) -> Group:
         return self
 
@@ -497,7 +512,7 @@ class Group:
 
     def _wait(self, keys: list[str], poll: Callable[[], None]) -> None:
         """Blocks until `keys` exist, calling `poll` (which raises to give up) between waits."""
-        interval = min(_POLL, self.peer_timeout / 4)
+        interval = self.poll_interval
         while not self.store.wait(keys, interval):
             poll()
 
@@ -581,7 +596,7 @@ class Group:
             # After a failure a peer may never get here (stuck in a framework's collective): wait
             # for it no longer than for a silent peer.
             deadline = time.monotonic() + (self.peer_timeout if failing else float("inf"))
-            interval = min(_POLL, self.peer_timeout / 4)
+            interval = self.poll_interval
             while not self.store.wait([done], interval):
                 if self.store.add(acks, 0) >= len(live) or time.monotonic() > deadline:
                     break
@@ -606,7 +621,7 @@ class Group:
         that died or stopped fails every rank with `RankFailedError` within about peer_timeout,
         instead of holding it until the process group's timeout. The group is then broken
         (`BROKEN_GROUP`); on NCCL its communicator is aborted."""
-        interval = min(_POLL, self.peer_timeout / 4)
+        interval = self.poll_interval
         watch = _Watch(self)
         try:
             while True:
@@ -660,11 +675,11 @@ class Group:
         """A collective failed (a peer's connection closed): finds which rank died, as the
         heartbeats `watch` has been reading tell within peer_timeout, and raises `RankFailedError`
         naming it."""
-        deadline = time.monotonic() + self.peer_timeout + 2 * _POLL
+        deadline = time.monotonic() + self.peer_timeout + 2 * self.poll_interval
         while time.monotonic() < deadline:
             self._check_abort()
             self._watch_collective(watch, "a collective")
-            time.sleep(min(_POLL, self.peer_timeout / 4))
+            time.sleep(self.poll_interval)
         raise RankFailedError(f"a collective failed and no rank was found dead: {_describe(exc)}")
 
     def broadcast_bytes(self, data: bytes | None, n: int) -> bytes:
