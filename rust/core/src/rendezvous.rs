@@ -16,7 +16,7 @@
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -295,26 +295,50 @@ impl StoreClient {
 /// thousands of ranks per host, as `benches/coord_scale.py` simulates, slices of 50 ms were 20
 /// wake-ups per second per rank.
 pub struct Heartbeat {
-    state: Arc<(Mutex<Beat>, Condvar)>,
-    beats: Arc<AtomicU64>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    /// The thread, and the end of a channel whose other end it drops as it ends (`stop`).
+    thread: Mutex<Option<(JoinHandle<()>, mpsc::Receiver<()>)>>,
+}
+
+/// What the heartbeat's thread and its owner share.
+struct Shared {
+    beat: Mutex<Beat>,
+    wake: Condvar,
+    beats: AtomicU64,
 }
 
 struct Beat {
     stop: bool,
     interval: Duration,
-    /// Set by the thread as it ends (`Ended`).
-    ended: bool,
 }
 
-/// Marks the thread's state ended when the thread returns (or unwinds), for `Heartbeat::stop`.
-struct Ended(Arc<(Mutex<Beat>, Condvar)>);
+impl Shared {
+    fn beat(&self) -> MutexGuard<'_, Beat> {
+        self.beat.lock().unwrap_or_else(|p| p.into_inner())
+    }
 
-impl Drop for Ended {
-    fn drop(&mut self) {
-        let (lock, cv) = &*self.0;
-        lock.lock().unwrap_or_else(|p| p.into_inner()).ended = true;
-        cv.notify_all();
+    fn set(&self, f: impl FnOnce(&mut Beat)) {
+        f(&mut self.beat());
+        self.wake.notify_all();
+    }
+
+    /// Sleeps until the beat after the one at `last` is due; false once stopped.
+    fn due(&self, last: Instant) -> bool {
+        let mut beat = self.beat();
+        loop {
+            if beat.stop {
+                return false;
+            }
+            let (due, now) = (last + beat.interval, Instant::now());
+            if now >= due {
+                return true;
+            }
+            beat = self
+                .wake
+                .wait_timeout(beat, due - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 }
 
@@ -335,79 +359,54 @@ impl Heartbeat {
     ) -> io::Result<Self> {
         let mut client = StoreClient::connect(host, port, timeout, Duration::ZERO)?;
         client.add(key, 1)?;
-        let state = Arc::new((
-            Mutex::new(Beat {
+        let shared = Arc::new(Shared {
+            beat: Mutex::new(Beat {
                 stop: false,
                 interval: interval.max(Duration::from_millis(1)),
-                ended: false,
             }),
-            Condvar::new(),
-        ));
-        let beats = Arc::new(AtomicU64::new(1));
-        let (st, b) = (state.clone(), beats.clone());
+            wake: Condvar::new(),
+            beats: AtomicU64::new(1),
+        });
+        let sh = shared.clone();
         let (host, key) = (host.to_string(), key.to_string());
+        let (done, ended) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("olmo-chunks-heartbeat".into())
             .spawn(move || {
-                let _ended = Ended(st.clone());
+                let _done = done; // dropped as the thread ends, however it ends
                 let mut client = Some(client);
                 let mut last = Instant::now();
-                loop {
-                    {
-                        let (lock, cv) = &*st;
-                        let mut beat = lock.lock().unwrap_or_else(|p| p.into_inner());
-                        loop {
-                            if beat.stop {
-                                return;
-                            }
-                            let due = last + beat.interval;
-                            let now = Instant::now();
-                            if now >= due {
-                                break;
-                            }
-                            beat = cv
-                                .wait_timeout(beat, due - now)
-                                .unwrap_or_else(|p| p.into_inner())
-                                .0;
-                        }
-                    }
+                while sh.due(last) {
                     last = Instant::now();
                     if client.is_none() {
                         client = StoreClient::connect(&host, port, timeout, Duration::ZERO).ok();
-                        if st.0.lock().unwrap_or_else(|p| p.into_inner()).stop {
+                        if sh.beat().stop {
                             return; // stopped while reconnecting: no beat after `stop`
                         }
                     }
                     match client.as_mut().map(|c| c.add(&key, 1)) {
                         Some(Ok(_)) => {
-                            b.fetch_add(1, Ordering::Relaxed);
+                            sh.beats.fetch_add(1, Ordering::Relaxed);
                         }
                         _ => client = None,
                     }
                 }
             })?;
         Ok(Heartbeat {
-            state,
-            beats,
-            thread: Mutex::new(Some(thread)),
+            shared,
+            thread: Mutex::new(Some((thread, ended))),
         })
-    }
-
-    fn with<T>(&self, f: impl FnOnce(&mut Beat) -> T) -> T {
-        let (lock, cv) = &*self.state;
-        let out = f(&mut lock.lock().unwrap_or_else(|p| p.into_inner()));
-        cv.notify_all();
-        out
     }
 
     /// Beats at least every `interval` from now on.
     pub fn set_interval(&self, interval: Duration) {
-        self.with(|b| b.interval = interval.max(Duration::from_millis(1)));
+        self.shared
+            .set(|b| b.interval = interval.max(Duration::from_millis(1)));
     }
 
     /// Beats sent so far.
     pub fn beats(&self) -> u64 {
-        self.beats.load(Ordering::Relaxed)
+        self.shared.beats.load(Ordering::Relaxed)
     }
 
     /// Stops the thread: no beat starts after this returns. Waits for the thread to end, at most
@@ -416,22 +415,12 @@ impl Heartbeat {
     /// died (one held by `__main__`, at exit) took that timeout. The thread left behind ends
     /// after that call.
     pub fn stop(&self) {
-        self.with(|b| b.stop = true);
-        let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() else {
-            return;
-        };
-        let (lock, cv) = &*self.state;
-        let ended = cv
-            .wait_timeout_while(
-                lock.lock().unwrap_or_else(|p| p.into_inner()),
-                STOP_WAIT,
-                |b| !b.ended,
-            )
-            .unwrap_or_else(|p| p.into_inner())
-            .0
-            .ended;
-        if ended {
-            let _ = t.join();
+        self.shared.set(|b| b.stop = true);
+        let taken = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((thread, ended)) = taken {
+            if let Err(mpsc::RecvTimeoutError::Disconnected) = ended.recv_timeout(STOP_WAIT) {
+                let _ = thread.join();
+            }
         }
     }
 }
