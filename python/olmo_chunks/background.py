@@ -144,7 +144,7 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: i
         n = t.numel() * t.element_size()
         if pool is None or n > room:  # larger than the whole pool: written from itself
             src = t if t.device.type == "cpu" else t.to("cpu")
-            flush([(key, region, src.contiguous())])
+            flush([(key, region, src.resolve_conj().resolve_neg().contiguous())])
             continue
         at = -(-at // _ALIGN) * _ALIGN
         if at + n > room:

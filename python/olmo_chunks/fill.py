@@ -223,8 +223,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _direct(dest: torch.Tensor, saved_dtype: torch.dtype) -> bool:
     """True if the core can write `dest`'s elements in place (CPU, saved dtype, aligned, no
-    self-overlap)."""
-    if dest.device.type != "cpu" or dest.dtype != saved_dtype:
+    self-overlap, not a lazily conjugated or negated view, whose memory holds other values than it
+    has)."""
+    if dest.device.type != "cpu" or dest.dtype != saved_dtype or dest.is_conj() or dest.is_neg():
         return False
     if (dest.data_ptr() - dest.untyped_storage().data_ptr()) % dest.element_size():
         return False

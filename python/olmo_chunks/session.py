@@ -48,8 +48,10 @@ def staging_bytes(chunks: Iterable[ChunkItem]) -> int:
 
 
 def _staged(t: torch.Tensor) -> bool:
-    """Whether a chunk's tensor is copied into host memory before it is written."""
-    return t.device.type != "cpu" or not t.is_contiguous()
+    """Whether a chunk's tensor is copied into host memory before it is written: an accelerator's,
+    a non-contiguous one, or a lazily conjugated or negated view (whose memory holds other values
+    than it has: the copy resolves them)."""
+    return t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
 
 
 class SaveSession:
