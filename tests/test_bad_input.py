@@ -314,3 +314,27 @@ def test_failure_on_one_rank_fails_every_rank_and_keeps_the_old_checkpoint(tmp_p
     results = world.run(3, save_failing_on_rank, path, 1, 5)
     assert results == ["RankFailedError", "OSError: write failed (simulated)", "RankFailedError"]
     assert world.run(3, load_state, path, 0) == [True] * 3
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental", "ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("dtype", [torch.complex32, getattr(torch, "float8_e8m0fnu", torch.complex32)])
+def test_dtypes_the_format_lacks_are_refused_before_anything_is_written(ckpt: Path, tmp_path: Path, dtype):
+    import torch.distributed.checkpoint as dcp
+    from olmo_chunks.dcp import ChunkStoreWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    bad = {"w": torch.ones(4), "t": torch.zeros(4, dtype=dtype)}
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(InvalidArgumentError, match=rf"'t': dtype {name} cannot be checkpointed \(the format "
+                       r"stores bool, uint8, .*, complex128\)"):
+        olmo_chunks.save(bad, ckpt, overwrite=True)
+    with pytest.raises(CheckpointException, match=rf"InvalidArgumentError: 't': dtype {name} cannot"):
+        dcp.save(bad, storage_writer=ChunkStoreWriter(ckpt, overwrite=True), no_dist=True)
+    assert sorted(p.name for p in ckpt.rglob("*")) == before
+    with pytest.raises(InvalidArgumentError, match=f"dtype {name} cannot"):
+        olmo_chunks.save(bad, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
+    out = state(1)
+    olmo_chunks.load(out, ckpt)
+    assert torch.equal(out["model"]["w"], state()["model"]["w"])

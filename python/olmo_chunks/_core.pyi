@@ -5,6 +5,7 @@ from typing import Self, final
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DTYPES",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Box",
@@ -50,6 +51,8 @@ __all__ = [
 FORMAT_VERSION: int
 MANIFEST_NAME: str
 DEFAULT_BLOCK_SIZE: int
+# The element types the format stores (torch's names without `torch.`).
+DTYPES: list[str]
 
 @final
 class Box:

@@ -14,8 +14,8 @@ from . import _core
 from .errors import InvalidArgumentError
 from .layout import Piece, dtensor_pieces
 
-__all__ = ["ChunkItem", "ChunkSource", "Region", "TensorShard", "describe", "dtype_name", "is_chunk_source",
-           "is_dense", "region_numel", "torch_dtype"]
+__all__ = ["ChunkItem", "ChunkSource", "Region", "TensorShard", "check_dtype", "describe", "dtype_name",
+           "is_chunk_source", "is_dense", "region_numel", "torch_dtype"]
 
 
 # A chunk's region of its tensor.
@@ -90,14 +90,27 @@ def describe(key: str, value: Any) -> TensorShard:
             pieces = dtensor_pieces(value)
         except ValueError as exc:
             raise InvalidArgumentError(f"{key!r}: {exc}") from None
-        return TensorShard(value.dtype, tuple(value.shape), _plain(key, value.to_local()), pieces)
-    if isinstance(value, torch.Tensor):
+        shard = TensorShard(value.dtype, tuple(value.shape), _plain(key, value.to_local()), pieces)
+    elif isinstance(value, torch.Tensor):
         value = _plain(key, value)
         shape = tuple(value.shape)
-        return TensorShard(value.dtype, shape, value, [Piece((0,) * len(shape), shape, (0,) * len(shape))])
-    if is_chunk_source(value):
-        return value.tensor_shard()  # type: ignore[no-any-return]
-    raise InvalidArgumentError(f"{key!r}: {type(value).__name__} is not a tensor")
+        shard = TensorShard(value.dtype, shape, value, [Piece((0,) * len(shape), shape, (0,) * len(shape))])
+    elif is_chunk_source(value):
+        shard = value.tensor_shard()
+    else:
+        raise InvalidArgumentError(f"{key!r}: {type(value).__name__} is not a tensor")
+    check_dtype(key, shard.dtype)
+    return shard
+
+
+_DTYPES = frozenset(_core.DTYPES)
+
+
+def check_dtype(key: str, dtype: torch.dtype) -> None:
+    """Refuses a dtype the format does not store (`InvalidArgumentError` naming `key`)."""
+    if dtype_name(dtype) not in _DTYPES:
+        raise InvalidArgumentError(f"{key!r}: dtype {dtype_name(dtype)} cannot be checkpointed (the format stores "
+                                   f"{', '.join(_core.DTYPES)})")
 
 
 def _plain(key: str, t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..errors import InvalidArgumentError
 from ..location import checkpoint_location, is_url
 from ..roles import resolve_role
 from ..session import SaveSession, zstd_level
-from ..shards import ChunkItem, dtype_name
+from ..shards import ChunkItem, check_dtype, dtype_name
 from .common import check_group, data_step, is_location, path_of
 from .values import encode_object, group_entries
 
@@ -163,6 +163,9 @@ class ChunkStoreWriter(StorageWriter):
         assert self.path is not None
         if not is_url(self.path) and os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InvalidArgumentError(f"{self.path}: exists and is not a directory")
+        for item in plan.items:
+            if item.tensor_data is not None:
+                check_dtype(item.index.fqn, item.tensor_data.properties.dtype)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -1572,5 +1572,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FORMAT_VERSION", core::FORMAT_VERSION)?;
     m.add("MANIFEST_NAME", core::MANIFEST_NAME)?;
     m.add("DEFAULT_BLOCK_SIZE", core::manifest::DEFAULT_BLOCK_SIZE)?;
+    let dtypes: Vec<&str> = core::dtype::DTYPES.iter().map(|&(name, _)| name).collect();
+    m.add("DTYPES", dtypes)?;
     Ok(())
 }
