@@ -23,6 +23,7 @@ from olmo_chunks.errors import (
     CorruptCheckpointError,
     CorruptManifestError,
     InvalidArgumentError,
+    LayoutError,
     OlmoChunksError,
     UnsafePathError,
 )
@@ -208,6 +209,37 @@ def test_huge_block_size_in_a_manifest_is_refused(ckpt: Path):
         verify(ckpt)
     with pytest.raises(CorruptManifestError, match="block size"):
         olmo_chunks.load(zeros(), ckpt)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_chunks_that_do_not_cover_their_tensor_are_refused_through_every_door(tmp_path: Path):
+    """A tensor larger than its chunks (a gap), or with chunks overlapping as much as they leave
+    out: refused, never a destination left partly as it was."""
+    import torch.distributed.checkpoint as dcp
+    from olmo_chunks.dcp import ChunkStoreReader, FastLoadPlanner
+
+    def crafted(name: str, overlap: bool) -> Path:
+        path = tmp_path / name
+        olmo_chunks.save({"w": torch.arange(16.0).reshape(4, 4)}, path)
+        manifest = path / olmo_chunks.MANIFEST_NAME
+        raw = RawManifest.parse(manifest.read_bytes())
+        raw.meta["tensors"][0]["shape"] = [8, 4]
+        if overlap:  # its one chunk (rows 0-3) twice
+            raw.meta["tensors"][0]["chunks"] = 2
+            raw.table += raw.table
+        manifest.write_bytes(raw.encode())
+        return path
+
+    gap, overlap = crafted("gap", False), crafted("overlap", True)
+    with pytest.raises(CorruptManifestError, match='tensor "w": its chunks hold 16 of its 32 elements'):
+        olmo_chunks.load({"w": torch.zeros(8, 4)}, gap)
+    with pytest.raises(LayoutError, match=r'tensor "w": saved chunks 0 and 1 overlap \(a corrupt manifest\)'):
+        olmo_chunks.load({"w": torch.zeros(8, 4)}, overlap)
+    for path, why in ((gap, "its chunks hold 16 of its 32 elements"), (overlap, "LayoutError")):
+        for planner in (None, FastLoadPlanner()):
+            with pytest.raises(BaseException, match=why):  # as DCP wraps it
+                dcp.load({"w": torch.zeros(8, 4)}, storage_reader=ChunkStoreReader(path), planner=planner,
+                         no_dist=True)
 
 
 def test_writer_refuses_block_sizes_above_the_cap(tmp_path: Path):

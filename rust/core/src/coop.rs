@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use crate::checksum;
 use crate::codec::Codec;
 use crate::error::{CoreError, Result};
-use crate::io::{carve, read_from, run_parallel, ByteCopy};
+use crate::io::{carve, overlap_in_buffer, read_from, run_parallel, ByteCopy};
 use crate::manifest::Manifest;
 use crate::storage::Storage;
 
@@ -656,7 +656,11 @@ pub fn read_round<'a>(
     if !again.is_empty() {
         // Every destination range in bounds and apart: what makes the copies below sound.
         let every: Vec<ByteCopy> = first.iter().chain(&again).copied().collect();
-        carve(&every, dests.iter_mut().map(|d| &mut **d).collect())?;
+        carve(
+            &every,
+            dests.iter_mut().map(|d| &mut **d).collect(),
+            overlap_in_buffer,
+        )?;
     }
     // Where the repeated bytes are copied from (kept only when there are some).
     let landed = if again.is_empty() {
@@ -848,7 +852,7 @@ fn copy_from(
         }
     }
     let copied = parts.iter().map(|p| p.len).sum();
-    let slices = carve(&parts, dests)?;
+    let slices = carve(&parts, dests, overlap_in_buffer)?;
     let work: Vec<(ByteCopy, &mut [u8])> = parts.into_iter().zip(slices).collect();
     let per = work.len().div_ceil(workers.max(1) * 4).max(1);
     let mut batches: Vec<Vec<(ByteCopy, &mut [u8])>> = Vec::new();

@@ -317,10 +317,12 @@ pub(crate) fn chunk_name(m: &Manifest, c: usize) -> (String, usize) {
 }
 
 /// Carves each copy its own disjoint slice of its destination (`copies[i].dst` indexes `dests`).
-/// Fails if a copy lies outside its destination or two copies' destination ranges overlap.
+/// Fails if a copy lies outside its destination or, with `overlap(earlier, later)`'s error, if two
+/// copies' destination ranges overlap.
 pub(crate) fn carve<'a>(
     copies: &[ByteCopy],
     dests: Vec<&'a mut [u8]>,
+    overlap: impl Fn(&ByteCopy, &ByteCopy) -> CoreError,
 ) -> Result<Vec<&'a mut [u8]>> {
     // By destination (a counting sort, keeping the copies' order within each), then by offset in
     // it where that order is not already the offsets' (the copies of one destination mostly come in
@@ -354,15 +356,14 @@ pub(crate) fn carve<'a>(
     }
     let mut slices: Vec<Option<&mut [u8]>> = (0..copies.len()).map(|_| None).collect();
     let mut rest: Vec<Option<(u64, &mut [u8])>> = dests.into_iter().map(|d| Some((0, d))).collect();
+    let mut last = vec![0usize; rest.len()]; // each destination's copy carved last
     for &i in &order {
         let c = copies[i];
         let (cursor, buf) = rest[c.dst].take().unwrap();
         if c.dst_off < cursor {
-            return Err(CoreError::InvalidArgument(format!(
-                "destination ranges overlap in buffer {}",
-                c.dst
-            )));
+            return Err(overlap(&copies[last[c.dst]], &c));
         }
+        last[c.dst] = i;
         let end = c
             .dst_off
             .checked_add(c.len)
@@ -376,6 +377,11 @@ pub(crate) fn carve<'a>(
         rest[c.dst] = Some((c.dst_off + c.len, tail));
     }
     Ok(slices.into_iter().map(Option::unwrap).collect())
+}
+
+/// `carve`'s error for overlapping copies that came from anywhere.
+pub(crate) fn overlap_in_buffer(_: &ByteCopy, c: &ByteCopy) -> CoreError {
+    CoreError::InvalidArgument(format!("destination ranges overlap in buffer {}", c.dst))
 }
 
 /// Executes `copies` from the checkpoint in `dir` into `dests`, reading every needed block of
@@ -452,7 +458,24 @@ pub fn read_from_trusting(
             )));
         }
     }
-    let slices = carve(&copies, dests)?.into_iter().map(Some).collect();
+    // Two chunks of one tensor landing on the same bytes: the targets of a tensor never overlap
+    // (they are parts of its destination), so its saved chunks do, which a committed manifest's
+    // never do (its chunks' sizes add up to the tensor's, so one of its elements is missing too).
+    let overlap = |a: &ByteCopy, b: &ByteCopy| {
+        let ((key, ca), (other, cb)) = (chunk_name(m, a.chunk), chunk_name(m, b.chunk));
+        if key == other && ca != cb {
+            CoreError::layout(
+                &key,
+                format!("saved chunks {ca} and {cb} overlap (a corrupt manifest)"),
+            )
+        } else {
+            overlap_in_buffer(a, b)
+        }
+    };
+    let slices = carve(&copies, dests, overlap)?
+        .into_iter()
+        .map(Some)
+        .collect();
     // Open and size-check every data file that is needed.
     let mut files: Vec<Option<(Box<dyn Object>, PathBuf)>> =
         (0..m.files.len()).map(|_| None).collect();

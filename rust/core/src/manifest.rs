@@ -295,7 +295,7 @@ impl Manifest {
                     t.order
                 )));
             }
-            checked_numel(&t.shape)
+            let nbytes = checked_numel(&t.shape)
                 .and_then(|n| n.checked_mul(item))
                 .ok_or_else(|| {
                     bad(format!(
@@ -303,6 +303,9 @@ impl Manifest {
                         t.shape
                     ))
                 })?;
+            // The bytes its chunks hold: a committed tensor's chunks cover it exactly once, so
+            // they add up to its size (overlaps are found where a load lays them out).
+            let mut held = 0u64;
             chunk_start.push(chunks.len());
             for ci in 0..t.chunks {
                 let what = |r: String| bad(format!("tensor {key:?} chunk {ci}: {r}"));
@@ -390,6 +393,7 @@ impl Manifest {
                         fe.path, fe.size
                     )));
                 }
+                held = held.saturating_add(len);
                 chunks.push(Chunk {
                     region,
                     file,
@@ -398,6 +402,13 @@ impl Manifest {
                     crc_index,
                     codec,
                 });
+            }
+            if held != nbytes {
+                return Err(bad(format!(
+                    "tensor {key:?}: its chunks hold {} of its {} elements",
+                    held / item,
+                    nbytes / item
+                )));
             }
         }
         chunk_start.push(chunks.len());

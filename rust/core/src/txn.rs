@@ -297,12 +297,17 @@ impl SaveTxn {
     /// the lease is still this save's and the committed manifest is still the one the save began
     /// over: of two saves racing to one location, at most one commits.
     pub fn commit(&mut self, m: &Manifest) -> Result<()> {
+        check_commit(m, &self.save_id)?;
+        self.publish(m)
+    }
+
+    /// [`SaveTxn::commit`] of a manifest `check_commit` has passed.
+    fn publish(&mut self, m: &Manifest) -> Result<()> {
         if self.finished {
             return Err(CoreError::InvalidArgument(
                 "this save transaction has already ended".into(),
             ));
         }
-        check_commit(m, &self.save_id)?;
         let cond = match &self.replaces {
             Some(v) => PutIf::Version(v),
             None => PutIf::Absent,
@@ -347,8 +352,10 @@ impl SaveTxn {
         info: Box<RawValue>,
     ) -> Result<Manifest> {
         let m = assemble_manifest(&self.save_id, block_size, tensors, chunks, entries, info)?;
+        // Checked first: what the decoder refuses as a corrupt file is the parts' error here.
+        check_commit(&m, &self.save_id)?;
         let m = Manifest::decode(&m.encode(), &self.name(MANIFEST_NAME))?;
-        self.commit(&m)?;
+        self.publish(&m)?;
         Ok(m)
     }
 

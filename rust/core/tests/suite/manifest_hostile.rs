@@ -419,7 +419,21 @@ fn semantically_bad_manifests_are_corrupt() {
         ("file index", with(|m| m.chunks[0].file = u32::MAX)),
         ("ends early", with(|m| m.tensors[3].chunks = 1)),
         ("ends early", with(|m| m.tensors[3].chunks = usize::MAX)),
-        ("trailing bytes", with(|m| m.tensors[2].chunks = 0)),
+        (
+            "trailing bytes",
+            with(|m| {
+                m.tensors[2].chunks = 0;
+                m.tensors[2].shape = vec![0];
+            }),
+        ),
+        (
+            "\"step\": its chunks hold 1 of its 2 elements",
+            with(|m| m.tensors[2].shape = vec![2]),
+        ),
+        (
+            "\"optim.exp_avg\": its chunks hold 20 of its 24 elements",
+            with(|m| m.tensors[1].shape = vec![2, 2, 6]),
+        ),
     ];
     for (needle, bytes) in cases {
         expect_corrupt(decode(&bytes), needle);
