@@ -17,7 +17,10 @@ cluster's network. Per operation the ranks run what `save` and `load` run on the
 by collectives, a smaller manifest in the open step's outcome).
 A step's time is the time from the moment the last rank finished the previous step to the
 moment the last rank finished this one. Then one rank fails inside a step and the harness times
-how long until every rank has raised.
+how long until every rank has raised. On this machine every rank's Python shares a few cores; what
+stays serial on a cluster, where each rank has a core, is printed too: the CPU time per step of the
+store's server (a thread of this process) and of rank 0, the root (unpickling every rank's message,
+deciding, pickling the outcome).
 
     python benches/coord_scale.py --ranks 4096 [--rtt-ms 0.2] [--ops 6] [--protocol before]
 
@@ -28,8 +31,10 @@ Last line: `coordination: N ranks, X ms per step (median), Y store requests per 
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib.util
 import itertools
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -116,6 +121,7 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
     go.wait()
     times: list[float] = []
     requests0 = getattr(store, "requests", 0)
+    cpu0 = time.thread_time()
     for op in range(args.ops):
         g = proto.group(rank, size, store, f"olmo_chunks/sim/{op}", args.peer_timeout)
         if op % 2 == 0:  # a save
@@ -142,6 +148,7 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
         g.close()
         times.append(time.time())
     requests = getattr(store, "requests", 0) - requests0
+    cpu = time.thread_time() - cpu0  # rank 0's: the root's serial share of every step
     waiting = _straggle(proto, rank, size, store, args) if args.straggle > 0 else 0
     # One failure: the last rank fails inside a step; every rank must raise.
     g = proto.group(rank, size, store, "olmo_chunks/sim/fail", args.peer_timeout)
@@ -160,7 +167,7 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
         raised_at = time.time()
     g.close(failing=True)
     hb.stop()
-    out[rank] = (times, requests, raised_at, t_fail, waiting)
+    out[rank] = (times, requests, raised_at, t_fail, waiting, cpu)
 
 
 def _straggle(proto: Any, rank: int, size: int, store: Any, args: argparse.Namespace) -> int:
@@ -204,6 +211,26 @@ def _worker(ranks: list[int], size: int, args: argparse.Namespace, host: str, po
     q.put(out)
 
 
+class _CpuClock:
+    """This process's CPU time, sampled every 10 ms until `done` is set: the store server's (its
+    thread serves every rank; the main thread only waits)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.01):
+            self.samples.append((time.time(), time.process_time()))
+
+    def at(self, t: float) -> float:
+        """CPU seconds at wall-clock time `t`, between the samples around it."""
+        i = bisect.bisect(self.samples, (t, math.inf))
+        (w0, c0), (w1, c1) = self.samples[max(i - 1, 0)], self.samples[min(i, len(self.samples) - 1)]
+        return c0 if w1 <= w0 else c0 + (c1 - c0) * (t - w0) / (w1 - w0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, required=True)
@@ -242,12 +269,18 @@ def main() -> None:
     ctl = _core.StoreClient(host, port, 600)
     while ctl.add("sim/ready", 0) < args.procs:
         time.sleep(0.1)
+    server = _CpuClock()
     ctl.set("sim/go", b"")
     results: dict[int, Any] = {}
     for _ in procs:
         results.update(q.get(timeout=1200))
+    server.done.set()
     for p in procs:
         p.join()
+    _report(args, results, server)
+
+
+def _report(args: argparse.Namespace, results: dict[int, Any], server: _CpuClock) -> None:
     failed = {r: v for r, v in results.items() if isinstance(v, str)}
     if failed:
         r, why = min(failed.items())
@@ -262,6 +295,9 @@ def main() -> None:
     print(f"protocol {args.protocol}, {args.ranks} ranks over {args.procs} processes, rtt {args.rtt_ms:g} ms: "
           f"{steps} steps, per step ms min {min(durations):.1f} median {median:.1f} max {max(durations):.1f}")
     print(f"a failure on rank {args.ranks - 1} reached all {args.ranks} ranks in {spread:.0f} ms")
+    server_ms = (server.at(ends[-1]) - server.at(ends[0])) * 1000 / len(durations)
+    print(f"CPU per step: the store's server {server_ms:.1f} ms, rank 0 (the root) {results[0][5] * 1000 / steps:.1f} "
+          "ms; both are serial, a step's floor where every rank has a core of its own")
     reqs = f"{per_step:.1f}" if args.protocol == "now" else "n/a (torch client, not counted)"
     if args.straggle > 0 and args.protocol == "now":
         rate = sum(results[r][4] for r in results if r != args.ranks - 1) / args.straggle

@@ -234,7 +234,8 @@ def test_save_staging_bench_tiny(tmp_path: Path) -> None:
 @pytest.mark.parametrize("protocol", ["now", "before"])
 def test_coord_scale_tiny(protocol: str) -> None:
     """The coordination harness runs both protocols to the end: every step, then one failure that
-    reaches every simulated rank (the harness exits non-zero otherwise)."""
+    reaches every simulated rank (the harness exits non-zero otherwise), with the serial CPU of a
+    step (the store's server, the root)."""
     if protocol == "before" and subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", "eedafe9"],
                                                capture_output=True).returncode != 0:
         pytest.skip("the history holding the old protocol is not in this clone")
@@ -246,5 +247,6 @@ def test_coord_scale_tiny(protocol: str) -> None:
     if protocol == "now":  # requests counted by the core's client only
         assert lines[-2].startswith("while rank 15 came 0.5 s late, the other 15 ranks sent the store ")
         del lines[-2]
-    assert "a failure on rank 15 reached all 16 ranks" in lines[-2]
+    assert lines[-2].startswith("CPU per step: the store's server ") and "rank 0 (the root)" in lines[-2]
+    assert "a failure on rank 15 reached all 16 ranks" in lines[-3]
     assert lines[-1].startswith("coordination: 16 ranks, ") and "ms per step (median)" in lines[-1]
