@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
+import re
 import subprocess
 import sys
 import time
@@ -69,7 +70,7 @@ def test_every_subcommand_resolves_and_configures() -> None:
         "inspect", "verify", "import-dcp", "export", "import-hf", "validate-conversion", "bench"]
     for c in cli.COMMANDS:
         module = importlib.import_module(c.module)
-        getattr(module, c.configure)(cli.argparse.ArgumentParser())
+        getattr(module, c.configure)(cli._Parser())
         assert callable(getattr(module, c.run))
 
 
@@ -116,3 +117,74 @@ def test_a_bench_that_would_fill_the_disk_is_refused_before_it_starts(
     assert err.startswith("olmo-chunks bench: error: the benchmark of a 100000 GiB state holds about "), err
     assert f"under {tmp_path} and " in err and "pass --dir on a larger filesystem" in err, err
     assert not list(tmp_path.iterdir())
+
+
+BIG = "1" + "0" * 400
+USAGE = 2  # argparse's usage error: the usage, then the error line
+# id: (argv, exit status, the error line after "olmo-chunks <command>: error: ")
+BAD = {
+    "verify-workers": ("verify {ckpt} --workers -1", USAGE,
+                       "argument --workers: '-1' is not a whole number from 1 to 1024"),
+    "export-to-a-file": ("export --format safetensors {ckpt} {tmp}/file", 1,
+                         "{tmp}/file: exists and is not a directory"),
+    "export-over-an-export": ("export --format safetensors {ckpt} {tmp}/done", 1,
+                              "{tmp}/done: a model is already exported there (model.safetensors.index.json); pass "
+                              "overwrite=True (--overwrite) to replace it (nothing was changed)"),
+    "export-workers": ("export --format safetensors --workers -3 {ckpt} {tmp}/out", USAGE,
+                       "argument --workers: '-3' is not a whole number from 1 to 1024"),
+    "export-huge-budget": (f"export --format safetensors --memory-budget {BIG} {{ckpt}} {{tmp}}/out", USAGE,
+                           f"argument --memory-budget: '{BIG}' is too many bytes (at most 8 EiB)"),
+    "export-shard-size": ("export --max-shard-size lots {ckpt} {tmp}/out", USAGE,
+                          "argument --max-shard-size: cannot read 'lots' as a byte count"),
+    "export-config-missing": ("export --config {tmp}/missing.json {ckpt} {tmp}/out", 1,
+                              "HF config {tmp}/missing.json: cannot read it (No such file or directory)"),
+    "export-config-not-json": ("export --config {tmp}/bad.json {ckpt} {tmp}/out", 1,
+                               "HF config {tmp}/bad.json: not JSON (Expecting value: line 1 column 1 (char 0))"),
+    "export-config-a-directory": ("export --config {tmp} {ckpt} {tmp}/out", 1,
+                                  "HF config {tmp}: cannot read it (Is a directory)"),
+    "export-config-a-list": ("export --config {tmp}/list.json {ckpt} {tmp}/out", 1,
+                             "HF config {tmp}/list.json: not a JSON object"),
+    "validate-config-not-json": (
+        "validate-conversion --native {ckpt} --hf {tmp} --config {tmp}/bad.json --report {tmp}/r.json", 1,
+        "HF config {tmp}/bad.json: not JSON (Expecting value: line 1 column 1 (char 0))"),
+    "validate-report-nowhere": ("validate-conversion --native {ckpt} --hf {tmp} --report {tmp}/missing/r.json", USAGE,
+                                "argument --report: cannot write '{tmp}/missing/r.json': no directory {tmp}/missing"),
+    "validate-report-a-directory": ("validate-conversion --native {ckpt} --hf {tmp} --report {tmp}", USAGE,
+                                    "argument --report: cannot write '{tmp}': it is a directory"),
+    "import-hf-workers": ("import-hf {tmp} {tmp}/ck --workers 0", USAGE,
+                          "argument --workers: '0' is not a whole number from 1 to 1024"),
+    "import-dcp-workers": ("import-dcp {tmp} {tmp}/ck --workers -1", USAGE,
+                           "argument --workers: '-1' is not a whole number from 1 to 1024"),
+    "import-dcp-batch": ("import-dcp {tmp} {tmp}/ck --batch-mb -1", USAGE,
+                         "argument --batch-mb: '-1' is not a whole number of MiB from 0 to 2**30"),
+    "bench-size": ("bench --size-gb -1", USAGE, "argument --size-gb: '-1' is not a finite number >= 0"),
+    "bench-pace": ("bench --storage-gbps inf", USAGE, "argument --storage-gbps: 'inf' is not a finite number >= 0"),
+    "bench-reps": ("bench --reps 0", USAGE, "argument --reps: '0' is not a whole number from 1 to 1024"),
+    "bench-json-nowhere": ("bench --json {tmp}/missing/b.json", USAGE,
+                           "argument --json: cannot write '{tmp}/missing/b.json': no directory {tmp}/missing"),
+    "bench-dir-missing": ("bench --dir {tmp}/missing --size-gb 0.001", 1, "{tmp}/missing: no such directory"),
+}
+
+
+@pytest.mark.parametrize(("argv", "rc", "error"), BAD.values(), ids=BAD.keys())
+def test_bad_arguments_paths_and_config_files_are_one_line_errors(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: str, rc: int, error: str) -> None:
+    # They were raw Python exceptions (OverflowError, FileExistsError, FileNotFoundError,
+    # JSONDecodeError, IsADirectoryError), a bad --report only after the whole validation had run.
+    (tmp_path / "file").touch()
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "bad.json").write_text("not json")
+    (tmp_path / "list.json").write_text("[1]")
+    try:
+        got = cli.main(argv.format(ckpt=ckpt, tmp=tmp_path).split())
+    except SystemExit as e:
+        got = e.code
+    err = capsys.readouterr().err
+    assert got == rc, err
+    lines = err.splitlines()
+    assert lines[-1] == f"olmo-chunks {argv.split()[0]}: error: " + error.format(tmp=tmp_path), err
+    assert rc == USAGE or len(lines) == 1, err
+    assert not re.search(r"\b\w+(Error|Exception)\b|Traceback", err), err
+    assert (tmp_path / "done" / "model.safetensors.index.json").read_text() == "{}"  # nothing replaced
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import StorageError
+from .errors import InvalidArgumentError, StorageError
 
 __all__ = [
     "PAIRS",
@@ -955,7 +955,10 @@ def room_needed(opts: Options) -> int:
 
 def _check_room(opts: Options) -> None:
     """`StorageError` now, rather than a full disk mid-run (where a rank's error cannot even be
-    written down for the others), if the local directory has not the room `room_needed` says."""
+    written down for the others), if the local directory has not the room `room_needed` says
+    (`InvalidArgumentError` if it is no directory)."""
+    if not os.path.isdir(opts.root):
+        raise InvalidArgumentError(f"{opts.root}: no such directory")
     need, free = room_needed(opts), shutil.disk_usage(opts.root).free
     if need > free:
         raise StorageError(
@@ -988,19 +991,19 @@ def run(opts: Options) -> dict[str, Any]:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GiB (default 2)")
-    p.add_argument("--reps", type=int, default=2, help="repetitions; the best is reported (default 2)")
+    p.add_argument("--size-gb", type="amount", default=2.0, help="state size in GiB (default 2)")
+    p.add_argument("--reps", type="count", default=2, help="repetitions; the best is reported (default 2)")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     p.add_argument("--path", default=None,
                    help="a directory (as --dir), or an object-store URL (s3://bucket/prefix, gs://...) where the "
                         "native and DCP-door contenders also save and load, besides the local disk")
-    p.add_argument("--json", default=None, help="also write the figures to this file")
-    p.add_argument("--dcp-threads", type=int, nargs="*", default=None,
+    p.add_argument("--json", type="output", default=None, help="also write the figures to this file")
+    p.add_argument("--dcp-threads", type="count", nargs="*", default=None,
                    help="FileSystemWriter thread counts (default: 1 and the core count)")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of every load")
     p.add_argument("--cold", action="store_true",
                    help="drop the checkpoint's files from the page cache before each load (default: warm them)")
-    p.add_argument("--storage-gbps", type=float, default=0.0,
+    p.add_argument("--storage-gbps", type="amount", default=0.0,
                    help="cap loads' storage reads at this many GB/s shared by the loading ranks (default: none)")
 
 

@@ -1,7 +1,8 @@
 """The `olmo-chunks` command line: inspect and verify checkpoints without a GPU job.
 
-Errors are reported as one line, `olmo-chunks <command>: error: ...`, with exit status 1; set
-OLMO_CHUNKS_DEBUG=1 to get the traceback of an unexpected one."""
+Errors are reported as one line, `olmo-chunks <command>: error: ...`, with exit status 1 (2, after
+the usage, for an option value refused as it is parsed); set OLMO_CHUNKS_DEBUG=1 to get the
+traceback of an unexpected one."""
 
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _core, values
-from .errors import OlmoChunksError
+from .errors import InvalidArgumentError, OlmoChunksError
 from .roles import MAIN_WEIGHT, ROLES
 
-__all__ = ["COMMANDS", "Command", "main", "summarize"]
+__all__ = ["COMMANDS", "OPTION_TYPES", "Command", "main", "summarize"]
 
 
 @dataclass(frozen=True)
 class Command:
     """A subcommand: `module` (imported only when the subcommand is chosen) defines `configure`,
-    which adds its arguments, and `run`, which runs it and returns the exit status. `watch` names
-    the argument holding the output directory whose growth a progress bar shows while it runs."""
+    which adds its arguments (an option's `type` may name one of `OPTION_TYPES`), and `run`, which
+    runs it and returns the exit status. `watch` names the argument holding the output directory
+    whose growth a progress bar shows while it runs."""
 
     name: str
     help: str
@@ -55,6 +57,62 @@ COMMANDS = [
     Command("bench", "save and resharded-load throughput against torch DCP and the raw I/O roofline",
             "olmo_chunks.bench", "configure", "main"),
 ]
+
+
+def _number(convert: Callable[[str], Any], lo: float, hi: float, what: str) -> Callable[[str], Any]:
+    """An option type: the text `convert`ed, from `lo` to `hi` (NaN is refused)."""
+    def parse(text: str) -> Any:
+        with contextlib.suppress(ValueError, OverflowError):
+            if lo <= (value := convert(text)) <= hi:
+                return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return parse
+
+
+def _bytes(text: str) -> int:
+    """An option type: a byte count such as `512M` (only the HF commands, which import torch anyway,
+    have such options)."""
+    from .hf.common import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _output(text: str) -> str:
+    """An option type: a file to write at the end, whose directory is checked writable before the
+    work starts."""
+    parent = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        why = "it is a directory"
+    elif not os.path.isdir(parent):
+        why = f"no directory {parent}"
+    elif not os.access(parent, os.W_OK):
+        why = f"directory {parent} is not writable"
+    else:
+        return text
+    raise argparse.ArgumentTypeError(f"cannot write {text!r}: {why}")
+
+
+# The types options name (`add_argument("--workers", type="count")`) so that the modules defining
+# them need not import the CLI: a bad value is argparse's usage error naming the option (exit 2).
+OPTION_TYPES: dict[str, Callable[[str], Any]] = {
+    "count": _number(int, 1, 1024, "a whole number from 1 to 1024"),
+    "mib": _number(int, 0, 1 << 30, "a whole number of MiB from 0 to 2**30"),
+    "amount": _number(float, 0, sys.float_info.max, "a finite number >= 0"),
+    "bytes": _bytes,
+    "output": _output,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that knows `OPTION_TYPES` by name (its subcommands' parsers too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name, parse in OPTION_TYPES.items():
+            self.register("type", name, parse)
 
 
 @contextlib.contextmanager
@@ -180,7 +238,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--workers", type="count", default=None)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -206,7 +264,7 @@ def _fail(command: str, exc: Exception) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="olmo-chunks", description=__doc__)
+    parser = _Parser(prog="olmo-chunks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {c.name: sub.add_parser(c.name, help=c.help, description=c.help) for c in COMMANDS}
     # The command is the first word (the top-level parser has no options taking values); only its

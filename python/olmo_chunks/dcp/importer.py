@@ -252,8 +252,8 @@ def import_dcp(  # noqa: PLR0915
 def _import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="checkpoint directory written by DCP's FileSystemWriter")
     p.add_argument("dst", help="olmo-chunks checkpoint directory to write")
-    p.add_argument("--batch-mb", type=int, default=256, help="bytes staged per data file (MiB)")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--batch-mb", type="mib", default=256, help="bytes staged per data file (MiB)")
+    p.add_argument("--workers", type="count", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at dst")
     p.add_argument("--compression", choices=["zstd"], default=None, help="compress every block with zstd")
     p.add_argument("--compression-level", type=int, default=None, help="zstd level (default 3)")

@@ -34,6 +34,7 @@ __all__ = [
     "out_dtype",
     "parse_bytes",
     "pick_import_spec",
+    "read_config",
     "resolve_dtype",
     "sha256_json",
     "source_name",
@@ -60,7 +61,24 @@ def parse_bytes(text: str | int) -> int:
     if not m:
         raise InvalidArgumentError(f"cannot read {text!r} as a byte count")
     scale = 1024 ** ("KMGT".find(m.group(2).upper()) + 1) if m.group(2) else 1
-    return int(float(m.group(1)) * scale)
+    n = float(m.group(1)) * scale
+    if n >= 2**63:
+        raise InvalidArgumentError(f"{text!r} is too many bytes (at most 8 EiB)")
+    return int(n)
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in HF config file `path` (`--config`); `InvalidArgumentError` naming the
+    file and why when it is missing, unreadable, not JSON or not an object."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise InvalidArgumentError(f"HF config {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not UTF-8, or not JSON
+        raise InvalidArgumentError(f"HF config {path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InvalidArgumentError(f"HF config {path}: not a JSON object")
+    return config
 
 
 def box_elems(budget: int, itemsizes: Sequence[int]) -> int:

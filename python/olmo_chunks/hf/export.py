@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import _core, values
-from ..errors import ConversionError, InvalidArgumentError
+from ..errors import CheckpointExistsError, ConversionError, InvalidArgumentError
 from ..location import checkpoint_location
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from ..shards import dtype_name
@@ -25,7 +25,7 @@ from .common import (
     config_problems,
     native_loader,
     out_dtype,
-    parse_bytes,
+    read_config,
     resolve_dtype,
     source_name,
 )
@@ -74,6 +74,7 @@ def export_checkpoint(  # noqa: PLR0915
     config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     max_shard_bytes: int = 5 << 30,
     workers: int | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Streams the main weights of checkpoint `ckpt` into sharded safetensors files and an index
     in `out`, holding at most about `memory_budget` bytes of tensor data at a time.
@@ -82,8 +83,20 @@ def export_checkpoint(  # noqa: PLR0915
     `mapping`), trims vocab padding to the saved vocab size and writes `config.json` (from
     `config` or the checkpoint's saved `hf_config`). `format="safetensors"` keeps native names
     (`include_moments` adds the Adam moments). `dtype` casts floating tensors (`bf16`, `fp32`).
-    Returns the index written.
+    A model already exported in `out` is replaced only with `overwrite=True`. Returns the index
+    written.
     """
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InvalidArgumentError(f"{out}: exists and is not a directory")
+    existing = [n for n in (INDEX_NAME, "model.safetensors") if (out_dir / n).exists()]
+    if existing and not overwrite:
+        raise CheckpointExistsError(
+            f"{out}: a model is already exported there ({existing[0]}); pass overwrite=True (--overwrite) "
+            "to replace it (nothing was changed)"
+        )
+    if isinstance(config, (str, os.PathLike)):
+        config = read_config(config)
     manifest = _core.Manifest.open(checkpoint_location(ckpt))
     want = resolve_dtype(dtype)
     spec: MappingSpec | None = None
@@ -105,12 +118,7 @@ def export_checkpoint(  # noqa: PLR0915
         )
     cfg: dict[str, Any] | None = None
     if format == "hf":
-        if isinstance(config, Mapping):
-            cfg = dict(config)
-        elif config is not None:
-            cfg = json.loads(Path(config).read_text())
-        else:
-            cfg = _saved_hf_config(manifest)
+        cfg = dict(config) if config is not None else _saved_hf_config(manifest)
         if cfg is None:
             raise InvalidArgumentError(
                 f"{ckpt}: no saved hf_config; pass --config CONFIG.json for --format hf"
@@ -144,7 +152,6 @@ def export_checkpoint(  # noqa: PLR0915
             "padded_vocab_size": plan.padded_vocab_size,
         }
     }
-    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (INDEX_NAME, "model.safetensors"):
         (out_dir / stale).unlink(missing_ok=True)
@@ -193,17 +200,21 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--memory-budget",
-        default=str(DEFAULT_MEMORY_BUDGET),
+        type="bytes",
+        default=DEFAULT_MEMORY_BUDGET,
         help="bytes of tensor data held at once (e.g. 256M)",
     )
-    p.add_argument("--max-shard-size", default="5G", help="bytes per safetensors file (default 5G)")
+    p.add_argument(
+        "--max-shard-size", type="bytes", default="5G", help="bytes per safetensors file (default 5G)"
+    )
     p.add_argument(
         "--config", default=None, help="HF config.json to write (default: the checkpoint's saved hf_config)"
     )
     p.add_argument(
         "--include-moments", action="store_true", help="also export Adam moments (--format safetensors)"
     )
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--workers", type="count", default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace a model already exported in OUT")
 
 
 def _export_cmd(args: argparse.Namespace) -> int:
@@ -214,11 +225,12 @@ def _export_cmd(args: argparse.Namespace) -> int:
         format=args.format,
         mapping=args.mapping,
         dtype=args.dtype,
-        memory_budget=parse_bytes(args.memory_budget),
+        memory_budget=args.memory_budget,
         include_moments=args.include_moments,
         config=args.config,
-        max_shard_bytes=parse_bytes(args.max_shard_size),
+        max_shard_bytes=args.max_shard_size,
         workers=args.workers,
+        overwrite=args.overwrite,
     )
     n = len(index["weight_map"])
     files = len(set(index["weight_map"].values()))

@@ -21,7 +21,6 @@ from .common import (
     TensorDictSource,
     box_elems,
     out_dtype,
-    parse_bytes,
     pick_import_spec,
     resolve_dtype,
 )
@@ -176,8 +175,8 @@ def _import_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="pad vocab rows to a multiple (default: mapping's)",
     )
-    p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET))
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--memory-budget", type="bytes", default=DEFAULT_MEMORY_BUDGET)
+    p.add_argument("--workers", type="count", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at CKPT")
     p.add_argument("--compression", choices=["zstd"], default=None, help="compress every block with zstd")
     p.add_argument("--compression-level", type=int, default=None, help="zstd level (default 3)")
@@ -189,7 +188,7 @@ def _import_cmd(args: argparse.Namespace) -> int:
         args.ckpt,
         mapping=args.mapping,
         dtype=args.dtype,
-        memory_budget=parse_bytes(args.memory_budget),
+        memory_budget=args.memory_budget,
         pad_multiple=args.pad_vocab_multiple,
         workers=args.workers,
         overwrite=args.overwrite,

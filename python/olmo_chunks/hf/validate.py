@@ -27,8 +27,8 @@ from .common import (
     box_elems,
     config_problems,
     native_loader,
-    parse_bytes,
     pick_import_spec,
+    read_config,
     sha256_json,
     source_name,
 )
@@ -256,9 +256,9 @@ def validate_conversion(
     `hf`. Returns the report; `report["ok"]` is the verdict and `report["failures"]` names every
     failing tensor. Optimizer moments are never loaded."""
     hf_dir = Path(hf)
-    files = SafetensorsDir(hf_dir, strict=False)
     cfg_path = Path(config) if config is not None else hf_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
+    cfg = read_config(cfg_path) if config is not None or cfg_path.exists() else None
+    files = SafetensorsDir(hf_dir, strict=False)
     manifest = _core.Manifest.open(checkpoint_location(native))
     entries = values.entries(manifest)
     index_meta: dict[str, Any] = {}
@@ -375,10 +375,10 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mapping", default=None, help="built-in or JSON spec file (default: the built-in that fits)"
     )
-    p.add_argument("--report", required=True, help="where to write the JSON report")
+    p.add_argument("--report", type="output", required=True, help="where to write the JSON report")
     p.add_argument("--no-round-trip", action="store_true", help="run the native pass only")
-    p.add_argument("--memory-budget", default=str(DEFAULT_MEMORY_BUDGET))
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--memory-budget", type="bytes", default=DEFAULT_MEMORY_BUDGET)
+    p.add_argument("--workers", type="count", default=None)
 
 
 def _validate_cmd(args: argparse.Namespace) -> int:
@@ -388,7 +388,7 @@ def _validate_cmd(args: argparse.Namespace) -> int:
             args.hf,
             config=args.config,
             mapping=args.mapping,
-            memory_budget=parse_bytes(args.memory_budget),
+            memory_budget=args.memory_budget,
             round_trip=not args.no_round_trip,
             workers=args.workers,
         )
