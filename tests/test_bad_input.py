@@ -338,3 +338,37 @@ def test_dtypes_the_format_lacks_are_refused_before_anything_is_written(ckpt: Pa
     out = state(1)
     olmo_chunks.load(out, ckpt)
     assert torch.equal(out["model"]["w"], state()["model"]["w"])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"block_size": -1}, r"block_size=-1: expected a whole number from 1 to 18446744073709551615"),
+    ({"block_size": 2**70}, r"block_size=1180591620717411303424: expected a whole number"),
+    ({"block_size": 4096.0}, r"block_size=4096\.0: expected a whole number"),
+    ({"workers": -1}, r"workers=-1: expected a whole number from 1 to 1024"),
+    ({"workers": 0}, r"workers=0: expected"),
+    ({"compression": "zstd", "compression_level": -(2**40)}, r"compression_level=-1099511627776: expected"),
+    ({"info": 5}, r"info must be a mapping, got int"),
+    ({"roles": ["w"]}, r"roles must be a mapping, got list"),
+])
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_bad_save_arguments_are_invalid_argument_errors(ckpt: Path, how: str, kwargs: dict, message: str):
+    before = (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes()
+    with pytest.raises(InvalidArgumentError, match=message):
+        if how == "save":
+            olmo_chunks.save(state(1), ckpt, overwrite=True, **kwargs)
+        else:
+            olmo_chunks.async_save(state(1), ckpt, overwrite=True, **kwargs).result()
+    assert (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes() == before
+
+
+@pytest.mark.parametrize("workers", [-1, 0, 2**64, 1.5, "4"])
+def test_bad_load_and_dcp_door_workers_are_invalid_argument_errors(ckpt: Path, workers):
+    from olmo_chunks.dcp import ChunkStoreReader, ChunkStoreWriter
+
+    message = rf"workers={workers!r}: expected a whole number from 1 to 1024"
+    with pytest.raises(InvalidArgumentError, match=message):
+        olmo_chunks.load(state(1), ckpt, workers=workers)
+    with pytest.raises(InvalidArgumentError, match=message):
+        ChunkStoreReader(ckpt, workers=workers)
+    with pytest.raises(InvalidArgumentError, match=message):
+        ChunkStoreWriter(ckpt, workers=workers)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from . import _core, errors, values
 from ._dist import DEFAULT_PEER_TIMEOUT, INLINE_BYTES, Group
-from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError
-from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode
+from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError, check_int
+from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode, check_workers
 from .location import checkpoint_location
 from .roles import resolve_role
 from .session import SaveSession, staging_bytes, zstd_level
@@ -190,7 +190,7 @@ class SaveSteps:
                  compression: tuple[str | None, int | None] = (None, None)) -> None:
         self.group = group
         self.session = SaveSession(checkpoint_location(path), rank=group.rank, block_size=block_size, workers=workers)
-        self.roles, self.info, self.overwrite = roles, dict(info or {}), overwrite
+        self.roles, self.info, self.overwrite = roles, info, overwrite
         # Checked in the first step (`plan`), where a bad value fails every rank.
         self.compression = compression
         self.nbytes = 0
@@ -208,6 +208,7 @@ class SaveSteps:
         local: dict[str, Any] = {}
 
         def describe_local() -> tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]:
+            self._check_args()
             self.session.zstd = zstd_level(*self.compression)
             leaves = flatten(state_dict)
             shards = _describe_all(leaves, self.roles)
@@ -232,6 +233,13 @@ class SaveSteps:
         _, (self.session.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
         return [local["chunks"][i] for i in mine]
 
+    def _check_args(self) -> None:
+        for name, value in (("roles", self.roles), ("info", self.info)):
+            if value is not None and not isinstance(value, Mapping):
+                raise InvalidArgumentError(f"{name} must be a mapping, got {type(value).__name__}")
+        check_int("block_size", self.session.block_size, 1, 2**64 - 1)  # the core caps it
+        check_workers(self.session.workers)
+
     def args(self) -> dict[str, Any]:
         """The arguments every rank must pass alike."""
         s = self.session
@@ -250,7 +258,7 @@ class SaveSteps:
 
         def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
             self.nbytes = sum(c.nbytes for written in all_written for c in written)
-            info = {"writer": "olmo_chunks", "world_size": self.group.size, **self.info}
+            info = {"writer": "olmo_chunks", "world_size": self.group.size, **(self.info or {})}
             self.session.commit(self._plan["schema"], itertools.chain(*all_written), self._plan["entries"], info)
 
         try:

@@ -119,3 +119,11 @@ class CheckpointExistsError(InvalidArgumentError):
 class CheckpointLockedError(OlmoChunksError):
     """Another save to the same path is in progress (it holds the path's lease), or took this save's
     lease over after this save stopped beating."""
+
+
+def check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    """Argument `name`, if it is a whole number from `lo` to `hi`; else `InvalidArgumentError`
+    (never the `OverflowError` or `TypeError` the core's conversion of it would raise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidArgumentError(f"{name}={value!r}: expected a whole number from {lo} to {hi}")
+    return value

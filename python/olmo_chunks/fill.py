@@ -37,13 +37,16 @@ import torch.distributed as dist
 
 from . import _core, rates
 from ._dist import INLINE_BYTES, Group
-from .errors import ChecksumError, InvalidArgumentError, MismatchError, OlmoChunksError
+from .errors import ChecksumError, InvalidArgumentError, MismatchError, OlmoChunksError, check_int
 from .location import is_url
 from .shards import is_dense
 
-__all__ = ["READ_MODES", "STAGING_BYTES", "Fill", "FillStep", "ReadOutcome", "check_read_mode", "fill"]
+__all__ = ["MAX_WORKERS", "READ_MODES", "STAGING_BYTES", "Fill", "FillStep", "ReadOutcome", "check_read_mode",
+           "check_workers", "fill"]
 
 READ_MODES = ("auto", "once", "direct")
+# The most I/O workers a save or load may be given.
+MAX_WORKERS = 1024
 
 # Host memory used at a time to stage destinations the core cannot fill in place.
 STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
@@ -117,6 +120,7 @@ class FillStep:
     def __init__(self, manifest: _core.Manifest, fills: Sequence[Fill], *, verify: bool, workers: int | None,
                  group: Group | None, read: str, source: str) -> None:
         check_read_mode(read)
+        check_workers(workers)
         self.t0 = time.perf_counter()
         self.manifest, self.verify, self.workers, self.source = manifest, verify, workers, source
         self.direct, self.staged, self.tied = _classify(fills)
@@ -188,6 +192,11 @@ class FillStep:
                             rates.resident_bytes() - resident)
         outcome.seconds = time.perf_counter() - self.t0
         return outcome
+
+
+def check_workers(workers: int | None) -> int | None:
+    """`workers`, if None or a whole number from 1 to `MAX_WORKERS`; else `InvalidArgumentError`."""
+    return None if workers is None else check_int("workers", workers, 1, MAX_WORKERS)
 
 
 def check_read_mode(read: str) -> str:

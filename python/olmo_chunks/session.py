@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import _core, values
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, check_int
 from .fill import STAGING_BYTES
 from .shards import ChunkItem
 
@@ -39,7 +39,7 @@ def zstd_level(compression: str | None, level: int | None = None) -> int | None:
         return None
     if compression != "zstd":
         raise InvalidArgumentError(f"compression={compression!r}: only 'zstd' (or None) is supported")
-    return DEFAULT_ZSTD_LEVEL if level is None else level
+    return DEFAULT_ZSTD_LEVEL if level is None else check_int("compression_level", level, -(2**31), 2**31 - 1)
 
 
 def staging_bytes(chunks: Iterable[ChunkItem]) -> int:

@@ -38,7 +38,7 @@ from ..errors import (
     InvalidArgumentError,
     MismatchError,
 )
-from ..fill import Fill, check_read_mode, fill
+from ..fill import Fill, check_read_mode, check_workers, fill
 from ..location import checkpoint_location, is_url
 from ..shards import torch_dtype
 from .common import check_group, data_step, is_location, path_of
@@ -77,7 +77,7 @@ class ChunkStoreReader(StorageReader):
             )
         self.path = checkpoint_location(path) if path is not None else None
         self.verify = verify
-        self.workers = workers
+        self.workers = check_workers(workers)
         self.process_group = process_group
         self.peer_timeout = peer_timeout
         self.load_id = uuid.uuid4().hex

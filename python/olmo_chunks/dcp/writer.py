@@ -29,7 +29,8 @@ from torch.futures import Future
 
 from .. import _core
 from .._dist import DEFAULT_PEER_TIMEOUT, Group
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, check_int
+from ..fill import check_workers
 from ..location import checkpoint_location, is_url
 from ..roles import resolve_role
 from ..session import SaveSession, zstd_level
@@ -118,8 +119,8 @@ class ChunkStoreWriter(StorageWriter):
         self.path = checkpoint_location(path) if path is not None else None
         self.roles = dict(roles) if roles else None
         self.info = dict(info) if info else {}
-        self.block_size = block_size
-        self.workers = workers
+        self.block_size = check_int("block_size", block_size, 1, 2**64 - 1)  # the core caps it
+        self.workers = check_workers(workers)
         self.overwrite = overwrite
         self.single_file_per_rank = single_file_per_rank
         self.sync_files = sync_files
