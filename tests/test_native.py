@@ -86,7 +86,8 @@ def test_lazily_conjugated_and_negated_views_keep_their_values(tmp_path: Path, d
         dcp.save(sd, storage_writer=ChunkStoreWriter(path), no_dist=True)
     backing = {"c": torch.zeros(3, dtype=torch.complex64), "imag": torch.zeros(3),
                "big": torch.zeros(64, 64, dtype=torch.complex64)}
-    out = {"c": backing["c"].conj(), "imag": backing["imag"]._neg_view(), "big": torch.zeros(64, 64, dtype=torch.complex64)}
+    out = {"c": backing["c"].conj(), "imag": backing["imag"]._neg_view(),
+           "big": torch.zeros(64, 64, dtype=torch.complex64)}
     if door == "dcp":
         dcp.load(out, storage_reader=ChunkStoreReader(path), no_dist=True)
     else:
