@@ -115,8 +115,9 @@ def _rank(proto: Any, rank: int, size: int, args: argparse.Namespace, go: thread
     from olmo_chunks.errors import RankFailedError
 
     store = proto.client(args.peer_timeout, args.rtt_ms / 1000)
-    hb = _core.Heartbeat(proto.host, proto.port, f"olmo_chunks/hb/{rank}", min(2.0, args.peer_timeout / 4),
-                         args.peer_timeout)
+    every = min(2.0, args.peer_timeout / 4)
+    hb = _core.Heartbeat(proto.host, proto.port, f"olmo_chunks/hb/{rank}", every, args.peer_timeout)
+    store.set(f"olmo_chunks/hb/{rank}/every", str(every).encode())  # as a process's link says its interval
     store.append("olmo_chunks/started", struct.pack("<I", rank))
     go.wait()
     times: list[float] = []

@@ -183,6 +183,105 @@ def test_one_rank_with_an_unsupported_compression_fails_both_at_once(tmp_path):
     assert holds(path, 1, 2)
 
 
+def _one_bad_call(rank: int, path: str, what: str) -> None:
+    try:
+        if what == "peer_timeout":
+            olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=0 if rank else PEER_TIMEOUT)
+        elif what == "async_path":
+            olmo_chunks.async_save(full_state(rank, 2, 2), "ftp://x/y" if rank else path, overwrite=True,
+                                   peer_timeout=PEER_TIMEOUT).result()
+        elif rank == 1:  # "call": rank 1 loads while rank 0 saves
+            olmo_chunks.load(_zeros(rank, 2), path, peer_timeout=PEER_TIMEOUT)
+        else:
+            olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    finally:
+        if rank == 1:
+            time.sleep(4 * PEER_TIMEOUT)  # alive and beating: rank 0 must not wait for it
+
+
+@pytest.mark.parametrize(("what", "error0", "error1"), [
+    ("peer_timeout", "RankFailedError: rank 1 failed: InvalidArgumentError: peer_timeout must be a positive",
+     "InvalidArgumentError: peer_timeout must be a positive number of seconds, got 0"),
+    ("async_path", "RankFailedError: rank 1 failed: InvalidArgumentError: ftp://x/y: unsupported URL scheme",
+     "InvalidArgumentError: ftp://x/y: unsupported URL scheme"),
+    ("call", "InvalidArgumentError: the ranks of a process group must make the same call: rank 0 called save, "
+     "rank 1 load", "InvalidArgumentError: the ranks of a process group must make the same call"),
+])
+def test_a_bad_call_on_one_rank_fails_every_rank_at_once(tmp_path, what, error0, error1):
+    """Where the bad rank's error came before its first step (a bad peer_timeout; async_save's bad
+    path), or where it called another operation, the others waited for it until it exited."""
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(2, _first, path))
+    t0 = time.time()
+    (s0, m0, e0), (s1, m1, _) = run_raw(2, _one_bad_call, path, what, timeout=60)
+    assert (s0, s1) == ("err", "err") and m0.startswith(error0) and m1.startswith(error1), (m0, m1)
+    assert e0 - t0 < 3 * PEER_TIMEOUT, e0 - t0  # rank 1 lives on for 4 peer_timeouts
+    print(f"{what}: rank 0 raised {e0 - t0:.1f} s after the world started: {m0[:120]}")
+    assert holds(path, 1, 2)
+
+
+def _locked(rank: int, path: str) -> None:
+    import torch.distributed as dist
+    from olmo_chunks import _core
+
+    held = _core.SaveTransaction.begin(path, True, 60.0) if rank == 0 else None  # a live writer's lease
+    dist.barrier()
+    try:
+        olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    finally:
+        if held is not None:
+            held.abort()
+
+
+def test_a_locked_path_is_checkpoint_locked_error_on_every_rank(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(r[0] == "ok" for r in run_raw(2, _first, path))
+    results = run_raw(2, _locked, path, timeout=60)
+    for status, msg, _ in results:  # rank 1 had RankFailedError("rank 0 failed: CheckpointLockedError ...")
+        assert status == "err" and msg.startswith("CheckpointLockedError: ") and "holds its lease" in msg, results
+    assert holds(path, 1, 2)
+
+
+def _timeouts(rank: int, path: str, what: str, port: int, mark: str) -> str:
+    import torch.distributed as dist
+    from olmo_chunks.session import SaveSession
+
+    olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True)  # the default peer_timeout (45 s)
+    if what == "slow_beater":  # rank 1 beats every 2 s (its calls give 45 s), rank 0 judges with 1 s
+        time.sleep(3 * rank)
+        olmo_chunks.save(full_state(rank, 2, 3), path, overwrite=True, peer_timeout=1.0 if rank == 0 else 45.0)
+    elif what == "stopped_host":  # rank 0, the store's host, stops in a call with a short peer_timeout
+        if rank == 0:
+            SaveSession.write = lambda *a, **k: (Path(mark).write_text(str(time.time())),
+                                                 os.kill(os.getpid(), signal.SIGSTOP))
+        olmo_chunks.save(full_state(rank, 2, 3), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    else:  # "new_group": the process group made again, on another store
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        olmo_chunks.save(full_state(rank, 2, 3), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    return "saved"
+
+
+@pytest.mark.parametrize("what", ["slow_beater", "stopped_host", "new_group"])
+def test_each_call_keeps_its_own_peer_timeout(tmp_path, what):
+    """A process's first call used to fix the store's deadlines for good: its peer_timeout bounded
+    every later call's store requests (a host stopped under a later, shorter one was found after
+    45 s), heartbeats slower than a peer's shorter peer_timeout were deaths, and a process group
+    made again kept talking to the old store."""
+    from tests import world
+
+    path, mark = str(tmp_path / "ckpt"), str(tmp_path / "stopped")
+    results = run_raw(2, _timeouts, path, what, world.free_port(), mark, timeout=60)
+    if what == "stopped_host":
+        status, msg, end = results[1]
+        assert status == "err" and "rank 0 died or stopped responding" in msg, results
+        assert end - float(Path(mark).read_text()) < PEER_TIMEOUT + 6, results
+        assert holds(path, 2, 2)
+    else:
+        assert [r[:2] for r in results] == [("ok", "saved")] * 2, results
+        assert holds(path, 3, 2)
+
+
 def test_waiting_ranks_look_less_often_in_large_groups() -> None:
     """All the waiting ranks of a group together ask the store's host at most about 4,000
     requests a second (about 4 per look); never less often than a quarter of peer_timeout."""

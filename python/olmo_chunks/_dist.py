@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError
+from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError, named_error
 
 T = TypeVar("T")
 
@@ -50,6 +52,8 @@ __all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "rank_and_size"
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
+# Longest interval between two heartbeats of a process, whatever its peer_timeout.
+_MAX_BEAT = 2.0
 # Longest a waiting rank blocks in the store before it looks at its peers' heartbeats (in groups
 # of up to 500 ranks; `Group.poll_interval`).
 _POLL = 0.5
@@ -90,14 +94,14 @@ def _loads(data: bytes) -> Any:
     return _MessageUnpickler(io.BytesIO(data)).load()
 
 
-def _frames(data: bytes) -> dict[int, tuple[str, Any]]:
-    """The `(rank, status, payload)` messages appended to one key, by rank."""
-    out: dict[int, tuple[str, Any]] = {}
+def _frames(data: bytes) -> dict[int, tuple[str, Any, str]]:
+    """The `(rank, status, payload, op)` messages appended to one key, by rank."""
+    out: dict[int, tuple[str, Any, str]] = {}
     i = 0
     while i + 8 <= len(data):
         (n,) = struct.unpack_from("<Q", data, i)
-        rank, status, payload = _loads(data[i + 8:i + 8 + n])
-        out[rank] = (status, payload)
+        rank, status, payload, op = _loads(data[i + 8:i + 8 + n])
+        out[rank] = (status, payload, op)
         i += 8 + n
     return out
 
@@ -181,10 +185,12 @@ def _tcp_store(store: Any) -> Any:
 
 class _Link:
     """This process's tie to the job's rendezvous store: one client connection per thread that
-    coordinates (each call bounded by `timeout`), and the heartbeat of its global rank."""
+    coordinates (each call bounded by the peer_timeout of the group using it), and the heartbeat
+    of its global rank."""
 
     def __init__(self, store: Any, rank: int, interval: float, timeout: float) -> None:
         self.pid = os.getpid()
+        self.store = weakref.ref(store)  # a process group made again has another
         self.timeout = timeout
         self.local = threading.local()
         tcp = _tcp_store(store)
@@ -197,23 +203,34 @@ class _Link:
             assert self.fallback is not None
             self.heartbeat = _PyHeartbeat(self.fallback, key, interval)
         self.interval = interval
+        self.every_key = f"{key}/every"
+        self.client(timeout).set(self.every_key, str(interval).encode())
         # Peers tell a rank that has not started yet (waited for up to the arrival timeout) from
         # one that went silent (dead after peer_timeout) by this list.
-        self.client().append(_STARTED, struct.pack("<I", rank))
+        self.client(timeout).append(_STARTED, struct.pack("<I", rank))
 
-    def client(self) -> Any:
+    def client(self, timeout: float) -> Any:
+        """This thread's connection, each call bounded by `timeout` seconds: made again if an
+        earlier operation lost it (its store's host paused longer than that one's bound)."""
         if self.fallback is not None:
             return self.fallback
         c = getattr(self.local, "client", None)
-        if c is None:
-            assert self.address is not None
-            c = self.local.client = _core.StoreClient(self.address[0], self.address[1], self.timeout)
+        if c is not None:
+            try:
+                c.set_timeout(timeout)
+                return c
+            except ConnectionError:
+                pass
+        assert self.address is not None
+        c = self.local.client = _core.StoreClient(self.address[0], self.address[1], timeout)
         return c
 
-    def beat_every(self, interval: float) -> None:
+    def beat_every(self, interval: float, timeout: float) -> None:
+        """Beats at least every `interval` seconds from now on, and says so (`_Watch`)."""
         if interval < self.interval:
             self.interval = interval
             self.heartbeat.set_interval(interval)
+            self.client(timeout).set(self.every_key, str(interval).encode())
 
 
 _link: _Link | None = None
@@ -226,11 +243,14 @@ def _process_link(peer_timeout: float) -> _Link:
     """This process's link, made on first use (and again in a forked child); it beats at least
     four times per `peer_timeout` of any group using it."""
     global _link
-    interval = min(2.0, max(peer_timeout / 4, 0.05))
+    interval = min(_MAX_BEAT, max(peer_timeout / 4, 0.05))
+    store = dist.distributed_c10d._get_default_store()
     with _link_lock:
-        if _link is None or _link.pid != os.getpid():
-            _link = _Link(dist.distributed_c10d._get_default_store(), dist.get_rank(), interval, peer_timeout)
-        _link.beat_every(interval)
+        if _link is None or _link.pid != os.getpid() or _link.store() is not store:
+            if _link is not None and _link.pid == os.getpid():
+                _link.heartbeat.stop()  # of a process group destroyed since
+            _link = _Link(store, dist.get_rank(), interval, peer_timeout)
+        _link.beat_every(interval, peer_timeout)
         return _link
 
 
@@ -245,6 +265,15 @@ def _arrival_timeout(process_group: dist.ProcessGroup | None) -> float:
 
 
 # -- liveness -----------------------------------------------------------------------------------
+
+
+def _seconds(raw: bytes) -> float:
+    """A heartbeat interval a peer wrote to the store, at most `_MAX_BEAT` (0 if not a number)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return 0.0
+    return min(value, _MAX_BEAT) if value >= 0 else 0.0
 
 
 class _Watch:
@@ -270,17 +299,29 @@ class _Watch:
         beating = [gr for gr in want if gr in self.started]
         values = store.multi_get([f"{_HB}{gr}" for gr in beating]) if beating else []
         now = time.monotonic()
+        silent: dict[int, float] = {}
         for gr, value in zip(beating, values, strict=True):
             seen, since = self.last.get(gr, (value, now))
             if value != seen:
                 since = now
             self.last[gr] = (value, since)
             if now - since > g.peer_timeout:
-                r = want[gr]
-                raise RankFailedError(
-                    f"rank {r} stopped responding: no heartbeat for {now - since:.0f} s "
-                    f"(peer_timeout={g.peer_timeout:g} s); it died or hung",
-                    rank=r, dead=True)
+                silent[want[gr]] = now - since
+        if silent:
+            # A rank beating less often than this group's peer_timeout asks (its own operations
+            # give a longer one) is silent once it missed two beats.
+            every = store.multi_get([f"{_HB}{g.global_ranks[r]}/every" for r in silent])
+            silent = {r: s for (r, s), b in zip(silent.items(), every, strict=True) if s > 2 * _seconds(b)}
+        if silent:
+            # All of them are dead (a node that went down takes several), so that the end of the
+            # operation waits for none of them.
+            g.dead.update(silent)
+            r = min(silent)
+            raise RankFailedError(
+                f"rank {r} stopped responding: no heartbeat for {silent[r]:.0f} s "
+                f"(peer_timeout={g.peer_timeout:g} s); it died or hung"
+                + "".join(f"; so did rank {other}" for other in sorted(silent)[1:]),
+                rank=r, dead=True)
         if now - self.t0 > g.arrival_timeout:
             r = next((want[gr] for gr in want if gr not in self.started), want[next(iter(want))])
             raise RankFailedError(
@@ -304,9 +345,17 @@ class Group:
     initialised). Ranks call `exchange` the same number of times, in the same order, and `close`
     (or leave the `with` block) at the end of the operation."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None, peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
-        if not peer_timeout > 0:
-            raise InvalidArgumentError(f"peer_timeout must be positive, got {peer_timeout}")
+    def __init__(self, process_group: dist.ProcessGroup | None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+                 op: str = "an olmo-chunks call") -> None:
+        """`op` names the call (`save`, `load`, ...): ranks making different calls on one process
+        group fail at the first step with `InvalidArgumentError`."""
+        self.op = op
+        # A bad argument fails the first step (on every rank at once), not this rank before it.
+        self.bad: InvalidArgumentError | None = None
+        if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, int | float) or not (
+                0 < peer_timeout < math.inf):
+            self.bad = InvalidArgumentError(f"peer_timeout must be a positive number of seconds, got {peer_timeout!r}")
+            peer_timeout = DEFAULT_PEER_TIMEOUT
         self.pg = process_group
         self.rank, self.size = rank_and_size(process_group)
         self.active = dist.is_available() and dist.is_initialized()
@@ -325,7 +374,7 @@ class Group:
         self.prefix = f"olmo_chunks/{name}/{call}"
         self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
         try:
-            self.store: Any = _process_link(peer_timeout).client()
+            self.store: Any = _process_link(peer_timeout).client(peer_timeout)
         except (ConnectionError, TimeoutError) as exc:
             raise self._store_lost(exc) from exc
 
@@ -335,7 +384,7 @@ class Group:
         """A group rank driven by a benchmark (benches/coord_scale.py): `store` is its own
         `_core.StoreClient`, no torch.distributed world; the global ranks are `range(size)`."""
         g = cls.__new__(cls)
-        g.pg, g.active, g.rank, g.size = None, False, rank, size
+        g.pg, g.active, g.rank, g.size, g.op, g.bad = None, False, rank, size, "a simulated call", None
         g.peer_timeout, g.arrival_timeout = peer_timeout, arrival_timeout
         g.seq, g.closed, g.scattered, g.told, g.dead = 0, False, False, False, set()
         g.store, g.prefix, g.global_ranks = store, prefix, list(range(size))
@@ -381,16 +430,20 @@ class Group:
         the original exception where it happened, `RankFailedError` naming the rank elsewhere (an
         `InvalidArgumentError` of `root`, ranks disagreeing on arguments, is raised as such)."""
         self.seq += 1
+        if self.bad is not None and self.size == 1:
+            raise self.bad
         if self.size == 1:
             mine = local() if local else None
             out: Any = root([mine]) if root else None
             return mine, (out[0] if scatter else out)
         key = f"{self.prefix}/{self.seq}"
-        mine, failure = None, None
-        try:
-            mine = local() if local else None
-        except BaseException as exc:
-            failure = exc
+        mine = None
+        failure: BaseException | None = self.bad
+        if failure is None:
+            try:
+                mine = local() if local else None
+            except BaseException as exc:
+                failure = exc
         try:
             out = self._step(key, mine, failure, root, scatter)
         except BaseException:
@@ -410,7 +463,8 @@ class Group:
         except BaseException as exc:
             if failure is not None:
                 raise failure from (None if exc is failure else exc)
-            self._abort(key, exc)
+            if not self.told:
+                self._abort(key, exc)
             if isinstance(exc, ConnectionError | TimeoutError):
                 raise self._store_lost(exc) from exc
             if isinstance(exc, Exception) and not isinstance(exc, OlmoChunksError):
@@ -437,7 +491,7 @@ class Group:
         results: list[Any] = [mine] + [None] * (self.size - 1)
         try:
             arrived = self._arrivals(key, everyone=False)
-            failed = sorted(r for r, (status, _) in arrived.items() if status == "fail")
+            failed = sorted(r for r, (status, *_) in arrived.items() if status == "fail")
             if failed:
                 r = failed[0]
                 raise RankFailedError(f"rank {r} failed: {arrived[r][1]}", rank=r)
@@ -449,11 +503,20 @@ class Group:
                 with contextlib.suppress(RankFailedError):
                     self._arrivals(key, everyone=True)
             raise
-        for r, (_, payload) in arrived.items():
+        others = {r: op for r, (*_, op) in arrived.items() if op != self.op}
+        for r, (_, payload, _) in arrived.items():
             results[r] = payload
         if self.seq > 1:  # every rank has read the last step's outcome: each has arrived since
             self._forget(self.seq - 1)
-        out: Any = root(results) if root else None
+        try:
+            if others:
+                raise InvalidArgumentError(
+                    f"the ranks of a process group must make the same call: rank 0 called {self.op}, "
+                    + ", ".join(f"rank {r} {op}" for r, op in sorted(others.items())[:8]))
+            out: Any = root(results) if root else None
+        except OlmoChunksError as exc:  # the step's outcome: every rank raises it as itself
+            self._abort(key, exc, shared=True)
+            raise
         self.scattered = scatter
         if not scatter:
             self._publish(key, ("ok", out))
@@ -466,7 +529,8 @@ class Group:
 
     def _send(self, key: str, mine: Any, failure: BaseException | None) -> None:
         """A peer's message for step `key`: its result, or its failure (which wakes the root)."""
-        sent = (self.rank, "fail", _describe(failure)) if failure is not None else (self.rank, "ok", mine)
+        sent = (self.rank, "fail", _describe(failure), self.op) if failure is not None else (
+            self.rank, "ok", mine, self.op)
         frame = pickle.dumps(sent)
         store = self.store
         store.append(f"{key}/in", struct.pack("<Q", len(frame)) + frame)
@@ -487,34 +551,38 @@ class Group:
         status, payload = _loads(store.get(out_key))
         if status == "fail":
             msg, rank, dead, cls = payload
-            if cls == "InvalidArgumentError":
-                raise InvalidArgumentError(msg)
+            if cls:
+                raise named_error(cls, msg)
             raise RankFailedError(msg, rank=rank, dead=dead)
         if scatter:
             payload = _loads(store.get(f"{out_key}/{self.rank}"))
         return payload
 
-    def _arrivals(self, key: str, everyone: bool) -> dict[int, tuple[str, Any]]:
+    def _arrivals(self, key: str, everyone: bool) -> dict[int, tuple[str, Any, str]]:
         """Rank 0: the messages of this step, once every rank sent one (or, unless `everyone`, as
         soon as one reported a failure); raises `RankFailedError` for a rank that died first."""
         watch = _Watch(self)
         inbox = f"{key}/in"
 
-        def poll() -> None:
+        def poll() -> bool:
             self._check_abort()
             arrived = _frames(self.store.get(inbox)) if self.store.check([inbox]) else {}
-            if not everyone and any(s == "fail" for s, _ in arrived.values()):
-                return
+            # Every message in, though not every count: a peer died between its two calls.
+            if len(arrived) == self.size - 1 or (not everyone and any(s == "fail" for s, *_ in arrived.values())):
+                return True
             watch.check([r for r in range(1, self.size) if r not in arrived])
+            return False
 
         self._wait([f"{key}/full" if everyone else f"{key}/all"], poll)
         return _frames(self.store.get(inbox))
 
-    def _wait(self, keys: list[str], poll: Callable[[], None]) -> None:
-        """Blocks until `keys` exist, calling `poll` (which raises to give up) between waits."""
+    def _wait(self, keys: list[str], poll: Callable[[], bool | None]) -> None:
+        """Blocks until `keys` exist, calling `poll` between waits: it raises to give up, returns
+        True when what the keys would say is known otherwise."""
         interval = self.poll_interval
         while not self.store.wait(keys, interval):
-            poll()
+            if poll():
+                return
 
     def _forget(self, seq: int) -> None:
         """Deletes the keys of step `seq` (one pipelined request)."""
@@ -533,10 +601,13 @@ class Group:
             msg, rank, dead = _loads(self.store.get(note))
             raise RankFailedError(msg, rank=rank, dead=dead)
 
-    def _abort(self, key: str, exc: BaseException, rank: int | None = None, dead: bool = False) -> None:
+    def _abort(self, key: str, exc: BaseException, rank: int | None = None, dead: bool = False,
+               shared: bool = False) -> None:
         """Tells the others, best effort, that this rank gave up (or that `rank` died): the root
-        publishes the failure, another rank leaves a note the others look for while they wait."""
-        cls = "InvalidArgumentError" if isinstance(exc, InvalidArgumentError) and self.rank == 0 else ""
+        publishes the failure, another rank leaves a note the others look for while they wait.
+        The others raise the root's `shared` error (a step's outcome: the path is locked) and its
+        `InvalidArgumentError` as themselves, anything else as `RankFailedError` naming this rank."""
+        cls = type(exc).__name__ if self.rank == 0 and (shared or isinstance(exc, InvalidArgumentError)) else ""
         msg = str(exc) if rank is not None or cls else f"rank {self.rank} failed: {_describe(exc)}"
         who = self.rank if rank is None else rank
         self.told = True

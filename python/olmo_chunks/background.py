@@ -88,8 +88,13 @@ def async_save(
     if slot.future is not None:
         _wait(slot.future)
     t0 = time.perf_counter()
-    steps = SaveSteps(Group(process_group, peer_timeout), path, roles=roles, info=info, overwrite=overwrite,
-                      block_size=block_size, workers=workers, compression=(compression, compression_level))
+    group = Group(process_group, peer_timeout, "async_save")
+    try:  # a bad path on one rank fails every rank at once, as in `save`
+        steps = SaveSteps(group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size,
+                          workers=workers, compression=(compression, compression_level))
+    except BaseException as exc:
+        group.fail(exc)
+        raise
     try:
         chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
         batch = _stage(steps, chunks, slot, pool_bytes)

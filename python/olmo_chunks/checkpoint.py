@@ -12,9 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _core, errors, values
+from . import _core, values
 from ._dist import DEFAULT_PEER_TIMEOUT, INLINE_BYTES, Group
-from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError, check_int
+from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError, check_int, named_error
 from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode, check_workers
 from .location import checkpoint_location
 from .roles import resolve_role
@@ -59,10 +59,7 @@ def open_manifest(group: Group, path: str | os.PathLike[str],
 
     _, (status, got, message) = group.exchange(mine, read)
     if status == "error":
-        cls = getattr(errors, got, OlmoChunksError)
-        simple = isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
-            cls, (MismatchError, RankFailedError))
-        raise (cls if simple else OlmoChunksError)(message)
+        raise named_error(got, message)
     data = message if len(message) == got else group.broadcast_bytes(raw[0] if raw else None, got)
     return _core.Manifest.from_bytes(where, bytes(data))
 
@@ -170,7 +167,7 @@ def save(
     data file in memory (at most its raw size) until they are written.
     """
     t0 = time.perf_counter()
-    with Group(process_group, peer_timeout) as group, SaveSteps(
+    with Group(process_group, peer_timeout, "save") as group, SaveSteps(
             group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size, workers=workers,
             compression=(compression, compression_level)) as steps:
         chunks = steps.plan(state_dict)
@@ -323,7 +320,7 @@ def load(
     seconds, raises on every rank; no rank returns before every rank has read all it needed.
     """
     t0 = time.perf_counter()
-    with Group(process_group, peer_timeout) as group:
+    with Group(process_group, peer_timeout, "load") as group:
         return _load(group, state_dict, path, strict=strict, partial=partial, roles=roles, verify=verify,
                      workers=workers, read=read, t0=t0)
 

@@ -127,3 +127,14 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise InvalidArgumentError(f"{name}={value!r}: expected a whole number from {lo} to {hi}")
     return value
+
+
+def named_error(name: str, message: str) -> OlmoChunksError:
+    """The error of class `name` (one of these, made from its message alone: not a
+    `MismatchError` or `RankFailedError`) with `message`, else an `OlmoChunksError`: how an error
+    raised on one rank is raised as itself on the others (`name` came through the job's store)."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
+            cls, MismatchError | RankFailedError):
+        return cls(message)
+    return OlmoChunksError(message)

@@ -162,7 +162,7 @@ def load_trainer_state(
     """Restores the trainer state saved at `path` (collective over `process_group`): counters,
     data position, config and data manifest always; RNG states exactly when the layout matches,
     else reseeded per rank (see the module docstring)."""
-    with Group(process_group) as group:
+    with Group(process_group, op="load_trainer_state") as group:
         here = _layout(group.size, layout)
 
         def read() -> tuple[TrainerState, dict[str, Any], dict[str, Any] | None]:

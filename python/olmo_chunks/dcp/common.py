@@ -48,13 +48,14 @@ def check_group(process_group: dist.ProcessGroup | None, rank: int | None, who: 
         )
 
 
-def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[[Group], Any]) -> Any:
+def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[[Group], Any],
+              op: str) -> Any:
     """Runs this rank's part of a DCP data step, `fn(group)`, whose steps go through `group` (its
     `agree`/`exchange`) so that a failure on any rank, a dead one included (no heartbeat for
     `peer_timeout`), is known to every rank before DCP's next collective; after a death that
     collective is bounded too, where DCP alone would wait for the group's timeout."""
     try:
-        with Group(process_group, peer_timeout) as group:
+        with Group(process_group, peer_timeout, op) as group:
             return fn(group)
     except RankFailedError as exc:
         if exc.dead:

@@ -159,7 +159,8 @@ class ChunkStoreReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        data_step(self.process_group, self.peer_timeout, lambda group: self._read_items(plan, planner, group))
+        data_step(self.process_group, self.peer_timeout, lambda group: self._read_items(plan, planner, group),
+                  "dcp.load (ChunkStoreReader)")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

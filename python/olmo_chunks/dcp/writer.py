@@ -183,7 +183,7 @@ class ChunkStoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
             results = data_step(self.process_group, self.peer_timeout,
-                                functools.partial(self._data_step, plan, planner))
+                                functools.partial(self._data_step, plan, planner), "dcp.save (ChunkStoreWriter)")
         except BaseException:
             self._abort()  # the coordinator's: every rank has stopped writing by now
             raise

@@ -76,6 +76,14 @@ impl StoreClient {
         }
     }
 
+    /// Bounds every later call by `timeout` instead.
+    pub fn set_timeout(&mut self, timeout: Duration) -> io::Result<()> {
+        self.stream.set_read_timeout(Some(timeout))?;
+        self.stream.set_write_timeout(Some(timeout))?;
+        self.timeout = timeout;
+        Ok(())
+    }
+
     fn try_connect(host: &str, port: u16, timeout: Duration, rtt: Duration) -> io::Result<Self> {
         let addrs: Vec<_> = (host, port).to_socket_addrs()?.collect();
         let mut last = io::Error::new(

@@ -108,7 +108,7 @@ pub(crate) fn new_save_id() -> Result<String> {
 }
 
 /// Who holds a lease: enough to tell a dead local writer from a live one.
-pub(crate) fn owner_token(save_id: &str) -> String {
+pub(crate) fn owner_token(save_id: &str, lease_timeout: Duration) -> String {
     let read = |p: &str| fs::read_to_string(p).map(|s| s.trim().to_string());
     let host = read("/proc/sys/kernel/hostname").unwrap_or_default();
     let boot = read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -121,8 +121,18 @@ pub(crate) fn owner_token(save_id: &str) -> String {
     serde_json::json!({
         "save_id": save_id, "host": host, "boot_id": boot, "pid_ns": pidns,
         "pid": std::process::id(), "started_unix": now,
+        "lease_timeout_s": lease_timeout.as_secs_f64(),
     })
     .to_string()
+}
+
+/// The lease timeout the holder of lease `token` keeps its heartbeat within (the owner JSON's
+/// `lease_timeout_s`, at most a day; zero when absent, as in leases of older writers).
+fn holder_timeout(token: &str) -> Duration {
+    let theirs = serde_json::from_str::<serde_json::Value>(token).ok();
+    let secs = theirs.as_ref().and_then(|v| v["lease_timeout_s"].as_f64());
+    secs.and_then(|s| Duration::try_from_secs_f64(s.min(86_400.0)).ok())
+        .unwrap_or(Duration::ZERO)
 }
 
 /// True if the lease `token` was written by a process of this machine and pid namespace that no
@@ -130,7 +140,7 @@ pub(crate) fn owner_token(save_id: &str) -> String {
 pub(crate) fn owner_is_dead_here(token: &str) -> bool {
     let (Ok(theirs), Ok(ours)) = (
         serde_json::from_str::<serde_json::Value>(token),
-        serde_json::from_str::<serde_json::Value>(&owner_token("")),
+        serde_json::from_str::<serde_json::Value>(&owner_token("", Duration::ZERO)),
     ) else {
         return false;
     };
@@ -221,7 +231,7 @@ impl SaveTxn {
     /// left.
     pub fn begin_on(storage: Arc<dyn Storage>, opts: SaveOptions) -> Result<Self> {
         let save_id = new_save_id()?;
-        let token = owner_token(&save_id);
+        let token = owner_token(&save_id, opts.lease_timeout);
         let mut version = acquire(&*storage, &token, opts.lease_timeout)?;
         let every = (opts.lease_timeout / 4).max(Duration::from_millis(100));
         let heartbeat = {
@@ -437,6 +447,8 @@ fn acquire(s: &dyn Storage, token: &str, timeout: Duration) -> Result<Version> {
             .clock()?
             .duration_since(head.modified)
             .unwrap_or(Duration::ZERO);
+        // A holder with a longer timeout than ours beats less often: judged by its own.
+        let timeout = timeout.max(holder_timeout(&held));
         if age <= timeout && !owner_is_dead_here(&held) {
             return Err(CoreError::Locked {
                 path: s.name(""),

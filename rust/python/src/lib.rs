@@ -1383,6 +1383,13 @@ impl PyStoreClient {
         self.requests.load(Ordering::Relaxed)
     }
 
+    /// Bounds every later call by `timeout` seconds instead (ConnectionError if the connection
+    /// was lost).
+    fn set_timeout(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let timeout = seconds(timeout)?;
+        self.call(py, |c| c.set_timeout(timeout))
+    }
+
     fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
         self.call(py, |c| c.set(key, value))
     }
