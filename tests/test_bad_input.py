@@ -372,3 +372,21 @@ def test_bad_load_and_dcp_door_workers_are_invalid_argument_errors(ckpt: Path, w
         ChunkStoreReader(ckpt, workers=workers)
     with pytest.raises(InvalidArgumentError, match=message):
         ChunkStoreWriter(ckpt, workers=workers)
+
+
+def test_plain_values_inside_tuples_are_compared_not_skipped(tmp_path: Path):
+    """A tuple cannot be changed in place: a value in one that holds tensors is loaded when it is
+    the saved one, and is a mismatch otherwise (it was skipped, and a strict load said all was
+    loaded)."""
+    olmo_chunks.save({"opt": (torch.arange(3.0), 7, "saved-name")}, tmp_path / "c")
+    same = {"opt": (torch.zeros(3), 7, "saved-name")}
+    assert olmo_chunks.load(same, tmp_path / "c").loaded == ["opt.0", "opt.1", "opt.2"]
+    assert torch.equal(same["opt"][0], torch.arange(3.0))
+    stale = {"opt": (torch.zeros(3), 5, "stale-name")}
+    with pytest.raises(MismatchError, match=r"opt\.1: a value inside a tuple, which cannot be replaced in place; "
+                       r"the checkpoint holds 7, the state dict 5"):
+        olmo_chunks.load(stale, tmp_path / "c")
+    assert torch.equal(stale["opt"][0], torch.zeros(3))  # refused before anything was read
+    report = olmo_chunks.load(stale, tmp_path / "c", strict=False)
+    assert [m.split(":")[0] for m in report.mismatched] == ["opt.1", "opt.2"] and report.loaded == ["opt.0"]
+    assert torch.equal(stale["opt"][0], torch.arange(3.0))

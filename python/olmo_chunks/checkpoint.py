@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import reprlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -356,6 +357,13 @@ def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: s
         elif key not in entries:
             report.missing.append(key) if key not in saved else report.mismatched.append(
                 f"{key}: a plain value here, a tensor in the checkpoint")
+        elif isinstance(leaf.container, tuple):  # cannot be replaced: loaded only if it is the saved one
+            if _encoded(leaf.value, key) == entries[key]:
+                report.loaded.append(key)
+            else:
+                report.mismatched.append(
+                    f"{key}: a value inside a tuple, which cannot be replaced in place; the checkpoint holds "
+                    f"{reprlib.repr(values.decode(entries[key], key))}, the state dict {reprlib.repr(leaf.value)}")
     if not partial:
         # Trainer entries are `load_trainer_state`'s: unexpected only when the state dict holds
         # trainer state itself, and never another rank's RNG states.
@@ -380,6 +388,14 @@ def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: s
     report.loaded.extend(key for key, _ in wanted)
     fills = [Fill(key, saved[key][0], s.local, s.core_pieces, s.dtype) for key, s in wanted]
     return report, fills, leaves, entries
+
+
+def _encoded(value: Any, key: str) -> Any:
+    """`value` as the checkpoint stores it (None if it cannot be stored)."""
+    try:
+        return values.encode(value, key)
+    except OlmoChunksError:
+        return None
 
 
 def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool, partial: bool,
@@ -408,9 +424,7 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
 
     def plain_values() -> None:
         for key, leaf in leaves.items():
-            if not leaf.is_tensor and key in entries:
-                if isinstance(leaf.container, tuple):
-                    continue
+            if not leaf.is_tensor and key in entries and not isinstance(leaf.container, tuple):
                 leaf.container[leaf.slot] = values.decode(entries[key], key)
                 report.loaded.append(key)
 
