@@ -390,3 +390,19 @@ def test_plain_values_inside_tuples_are_compared_not_skipped(tmp_path: Path):
     report = olmo_chunks.load(stale, tmp_path / "c", strict=False)
     assert [m.split(":")[0] for m in report.mismatched] == ["opt.1", "opt.2"] and report.loaded == ["opt.0"]
     assert torch.equal(stale["opt"][0], torch.arange(3.0))
+
+
+def test_a_checkpoint_replaced_during_a_load_says_so(ckpt: Path, monkeypatch):
+    from olmo_chunks.fill import FillStep
+
+    run = FillStep.run
+
+    def overwritten_first(self, decided):  # another job's save commits over it meanwhile
+        olmo_chunks.save(state(2), ckpt, overwrite=True)
+        return run(self, decided)
+
+    monkeypatch.setattr(FillStep, "run", overwritten_first)
+    old = _core.Manifest.open(str(ckpt)).save_id
+    with pytest.raises(MissingDataFileError, match=rf"\(the checkpoint was replaced during this load: save {old} is "
+                       r"now [0-9a-f]{32}; load it again\)"):
+        olmo_chunks.load(state(1), ckpt)

@@ -15,7 +15,15 @@ import torch.distributed as dist
 
 from . import _core, values
 from ._dist import DEFAULT_PEER_TIMEOUT, INLINE_BYTES, Group
-from .errors import InvalidArgumentError, MismatchError, OlmoChunksError, RankFailedError, check_int, named_error
+from .errors import (
+    InvalidArgumentError,
+    MismatchError,
+    MissingDataFileError,
+    OlmoChunksError,
+    RankFailedError,
+    check_int,
+    named_error,
+)
 from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode, check_workers
 from .location import checkpoint_location
 from .roles import resolve_role
@@ -390,6 +398,20 @@ def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: s
     return report, fills, leaves, entries
 
 
+def _replaced(exc: MissingDataFileError, manifest: _core.Manifest, path: str | os.PathLike[str]
+              ) -> MissingDataFileError:
+    """`exc`, saying so where the checkpoint at `path` was replaced since `manifest` was read (an
+    overwriting save committed during the load and removed the files it read)."""
+    try:
+        now = _core.Manifest.open(checkpoint_location(path)).save_id
+    except OlmoChunksError:
+        return exc
+    if now == manifest.save_id:
+        return exc
+    return MissingDataFileError(f"{exc} (the checkpoint was replaced during this load: save {manifest.save_id} "
+                                f"is now {now}; load it again)")
+
+
 def _encoded(value: Any, key: str) -> Any:
     """`value` as the checkpoint stores it (None if it cannot be stored)."""
     try:
@@ -419,7 +441,10 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
     else:
         decided = group.agree(check_and_describe)
     report, fills, leaves, entries = checked[0]
-    report.reading = steps[0].run(decided)  # a failure here fails the others in the next step
+    try:
+        report.reading = steps[0].run(decided)  # a failure here fails the others in the next step
+    except MissingDataFileError as exc:
+        raise _replaced(exc, manifest, path) from exc
     nbytes = sum(f.dest.numel() * f.dest.element_size() for f in fills)
 
     def plain_values() -> None:
