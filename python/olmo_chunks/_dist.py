@@ -12,7 +12,8 @@ Liveness: every process bumps a heartbeat counter in the store from a native thr
 (`_core.Heartbeat`: it beats while Python holds the GIL), started when the package is first used in
 a process group. A rank that has never beaten is "not arrived yet" and is waited for up to the
 arrival timeout (the process group's timeout, as a collective would); one that beat and went silent
-for `peer_timeout` seconds is dead. Either way every survivor raises `RankFailedError` naming it. A
+for `peer_timeout` seconds (and for two of its beats, whose interval each process writes beside its
+heartbeat) is dead. Either way every survivor raises `RankFailedError` naming it. A
 rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the root, which
 tells everyone; work that fails between steps (a load's reads) fails the next step, which the
 others wait in or come to (`Group.fail`). The root hosts the store: it leaves an operation only
@@ -191,7 +192,6 @@ class _Link:
     def __init__(self, store: Any, rank: int, interval: float, timeout: float) -> None:
         self.pid = os.getpid()
         self.store = weakref.ref(store)  # a process group made again has another
-        self.timeout = timeout
         self.local = threading.local()
         tcp = _tcp_store(store)
         self.address = (tcp.host, tcp.port) if tcp is not None else None
