@@ -427,12 +427,13 @@ class Group:
         """Runs `local()` on every rank, hands the results (in rank order) to `root(results)` on rank
         0 and returns `(local result, root result)` on every rank; with `scatter`, `root` returns one
         item per rank and each rank gets its own. If anything failed anywhere, every rank raises:
-        the original exception where it happened, `RankFailedError` naming the rank elsewhere (an
-        `InvalidArgumentError` of `root`, ranks disagreeing on arguments, is raised as such)."""
+        the original exception where it happened, `RankFailedError` naming the rank elsewhere; an
+        error of `root` (the step's outcome: ranks disagreeing on arguments, a locked path) is
+        raised as itself on every rank."""
         self.seq += 1
-        if self.bad is not None and self.size == 1:
-            raise self.bad
         if self.size == 1:
+            if self.bad is not None:
+                raise self.bad
             mine = local() if local else None
             out: Any = root([mine]) if root else None
             return mine, (out[0] if scatter else out)
