@@ -406,3 +406,15 @@ def test_a_checkpoint_replaced_during_a_load_says_so(ckpt: Path, monkeypatch):
     with pytest.raises(MissingDataFileError, match=rf"\(the checkpoint was replaced during this load: save {old} is "
                        r"now [0-9a-f]{32}; load it again\)"):
         olmo_chunks.load(state(1), ckpt)
+
+
+def test_errors_cross_to_other_ranks_as_themselves_only_where_their_message_makes_them():
+    from olmo_chunks.errors import CheckpointLockedError, named_error, shared_name
+
+    assert shared_name(CheckpointLockedError("held")) == "CheckpointLockedError"
+    got = named_error("CheckpointLockedError", "held")
+    assert type(got) is CheckpointLockedError and str(got) == "held"
+    for exc in (MismatchError(["a: b"]), RankFailedError("rank 2 died"), ValueError("x")):
+        assert shared_name(exc) == ""
+    for name in ("MismatchError", "RankFailedError", "os", "__builtins__", "Any"):  # what the store may say
+        assert type(named_error(name, "m")) is OlmoChunksError

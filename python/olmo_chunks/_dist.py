@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError, named_error
+from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError, named_error, shared_name
 
 T = TypeVar("T")
 
@@ -608,7 +608,7 @@ class Group:
         publishes the failure, another rank leaves a note the others look for while they wait.
         The others raise the root's `shared` error (a step's outcome: the path is locked) and its
         `InvalidArgumentError` as themselves, anything else as `RankFailedError` naming this rank."""
-        cls = type(exc).__name__ if self.rank == 0 and (shared or isinstance(exc, InvalidArgumentError)) else ""
+        cls = shared_name(exc) if self.rank == 0 and (shared or isinstance(exc, InvalidArgumentError)) else ""
         msg = str(exc) if rank is not None or cls else f"rank {self.rank} failed: {_describe(exc)}"
         who = self.rank if rank is None else rank
         self.told = True

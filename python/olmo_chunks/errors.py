@@ -129,12 +129,24 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-def named_error(name: str, message: str) -> OlmoChunksError:
-    """The error of class `name` (one of these, made from its message alone: not a
-    `MismatchError` or `RankFailedError`) with `message`, else an `OlmoChunksError`: how an error
-    raised on one rank is raised as itself on the others (`name` came through the job's store)."""
+def _by_name(name: str) -> type[OlmoChunksError] | None:
+    """The error class `name` of this module if it is made from its message alone (not a
+    `MismatchError` or `RankFailedError`)."""
     cls = globals().get(name)
     if isinstance(cls, type) and issubclass(cls, OlmoChunksError) and not issubclass(
             cls, MismatchError | RankFailedError):
-        return cls(message)
-    return OlmoChunksError(message)
+        return cls
+    return None
+
+
+def shared_name(exc: BaseException) -> str:
+    """The name `named_error` makes `exc` again by on another rank, or "" if it cannot."""
+    return type(exc).__name__ if _by_name(type(exc).__name__) is type(exc) else ""
+
+
+def named_error(name: str, message: str) -> OlmoChunksError:
+    """The error of class `name` (see `shared_name`) with `message`, else an `OlmoChunksError`: how
+    an error raised on one rank is raised as itself on the others (`name` came through the job's
+    store)."""
+    cls = _by_name(name)
+    return cls(message) if cls is not None else OlmoChunksError(message)
