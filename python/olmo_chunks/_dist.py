@@ -310,7 +310,8 @@ class _Watch:
         if silent:
             # A rank beating less often than this group's peer_timeout asks (its own operations
             # give a longer one) is silent once it missed two beats.
-            every = store.multi_get([f"{_HB}{g.global_ranks[r]}/every" for r in silent])
+            keys = [f"{_HB}{g.global_ranks[r]}/every" for r in silent]
+            every = store.multi_get(keys) if store.check(keys) else [b""] * len(keys)  # (a process of an older release)
             silent = {r: s for (r, s), b in zip(silent.items(), every, strict=True) if s > 2 * _seconds(b)}
         if silent:
             # All of them are dead (a node that went down takes several), so that the end of the
