@@ -132,9 +132,14 @@ def test_too_deep_values_and_cycles_are_refused_on_save(tmp_path: Path):
         deep = [deep]
     cycle: list = []
     cycle.append(cycle)
-    for bad in (deep, cycle):
+    shared: list = [0]
+    for _ in range(40):  # 40 levels, each holding the level below twice: 2**40 items as data
+        shared = [shared, shared]
+    for bad in (deep, cycle, shared):
         with pytest.raises(InvalidArgumentError, match="'v"):
             olmo_chunks.save({"w": torch.zeros(1), "v": bad}, tmp_path / "x")
+    with pytest.raises(InvalidArgumentError, match=rf"more than {values.MAX_ITEMS} items in all"):
+        values.encode(shared, "v")
     deep_with_tensor: dict = {"t": torch.zeros(1)}
     for _ in range(values.MAX_DEPTH + 5):
         deep_with_tensor = {"a": deep_with_tensor}

@@ -3,7 +3,9 @@
 Supported: None, bool, int (any size), float (NaN and infinities too), str, bytes, io.BytesIO,
 list, tuple, dict (any str or int keys), numpy arrays (any shape, 0-d too) and numpy scalars, each
 returned with its type, dtype and shape. Anything else is refused with the key named. Containers
-nest at most `MAX_DEPTH` deep, so neither direction recurses without bound.
+nest at most `MAX_DEPTH` deep, so neither direction recurses without bound, and a value holds at
+most `MAX_ITEMS` items in all, counted each time they appear (a list holding one list twice, 40
+levels deep, is 2**40 items, not 40).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import numpy as np
 
 from .errors import CorruptManifestError, InvalidArgumentError
 
-__all__ = ["MAX_DEPTH", "decode", "encode", "entries", "parse_json"]
+__all__ = ["MAX_DEPTH", "MAX_ITEMS", "decode", "encode", "entries", "parse_json"]
 
 MAX_DEPTH = 100
+MAX_ITEMS = 1 << 22
 _I64 = 1 << 63
 
 
@@ -39,10 +42,16 @@ def _ndarray(arr: np.ndarray | np.generic, key: str) -> dict[str, Any]:
     return {"$ndarray": {**out, "scalar": True} if isinstance(arr, np.generic) else out}
 
 
-def encode(value: Any, key: str, depth: int = 0) -> Any:
-    """The JSON-ready form of `value`; `key` names it in errors."""
+def encode(value: Any, key: str, depth: int = 0, left: list[int] | None = None) -> Any:
+    """The JSON-ready form of `value`; `key` names it in errors. `left` holds how many more items
+    the whole value may have (`MAX_ITEMS` from the top)."""
     if depth > MAX_DEPTH:
         raise InvalidArgumentError(f"{key!r}: nested more than {MAX_DEPTH} containers deep")
+    left = [MAX_ITEMS] if left is None else left
+    left[0] -= 1
+    if left[0] < 0:
+        raise InvalidArgumentError(f"{key!r}: more than {MAX_ITEMS} items in all (a container held in several "
+                                   "places counts each time)")
     if isinstance(value, (np.ndarray, np.generic)):  # before float/str/bytes: np.float64 is a float
         return _ndarray(value, key)
     if value is None or isinstance(value, (bool, str)):
@@ -62,15 +71,15 @@ def encode(value: Any, key: str, depth: int = 0) -> Any:
         return {"$bytesio": _b64(value.getvalue())}
     d = depth + 1
     if isinstance(value, list):
-        return [encode(v, f"{key}[{i}]", d) for i, v in enumerate(value)]
+        return [encode(v, f"{key}[{i}]", d, left) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v, f"{key}[{i}]", d) for i, v in enumerate(value)]}
+        return {"$tuple": [encode(v, f"{key}[{i}]", d, left) for i, v in enumerate(value)]}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: encode(v, f"{key}.{k}", d) for k, v in value.items()}
+            return {k: encode(v, f"{key}.{k}", d, left) for k, v in value.items()}
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
             raise InvalidArgumentError(f"{key!r}: dict keys must be str or int to be checkpointed")
-        return {"$dict": [[k, encode(v, f"{key}.{k}", d)] for k, v in value.items()]}
+        return {"$dict": [[k, encode(v, f"{key}.{k}", d, left)] for k, v in value.items()]}
     raise InvalidArgumentError(
         f"{key!r}: values of type {type(value).__name__} cannot be checkpointed as data "
         "(use tensors, numbers, strings, bytes, lists, tuples, dicts or numpy arrays)"
