@@ -471,6 +471,32 @@ def test_export_refuses_unmapped_and_nonfinite(tmp_path):
     assert not (tmp_path / "out2" / INDEX_NAME).exists()
 
 
+def test_values_beyond_the_target_dtype_are_refused_not_written_as_inf(tmp_path, capsys):
+    # The finite check ran before the cast: --dtype fp16 wrote [1, 70000, -1e6] as [1, inf, -inf].
+    olmo_chunks.save({"model": {"w": torch.ones(4, 4), "big": torch.tensor([1.0, 70000.0, -1e6])}}, tmp_path / "ck")
+    with pytest.raises(ConversionError, match=r"model\.big: value 70000\.0 overflows float16 \(exporting model\.big\)"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out", format="safetensors", dtype="fp16")
+    assert not (tmp_path / "out" / INDEX_NAME).exists()
+    argv = ["export", str(tmp_path / "ck"), str(tmp_path / "out"), "--format", "safetensors", "--dtype", "fp16"]
+    assert main(argv) == 1
+    assert "model.big: value 70000.0 overflows float16" in capsys.readouterr().err
+    assert not (tmp_path / "out" / INDEX_NAME).exists()
+    # fp16 holds 65504; the largest float32 rounds to inf in bf16 too (on export and on import).
+    olmo_chunks.save({"model": {"ok": torch.tensor([65504.0, -65504.0])}}, tmp_path / "fits")
+    export_checkpoint(tmp_path / "fits", tmp_path / "fits16", format="safetensors", dtype="fp16")
+    assert read_hf(tmp_path / "fits16")["model.ok"].tolist() == [65504.0, -65504.0]
+    top = torch.finfo(torch.float32).max
+    olmo_chunks.save({"model": {"top": torch.tensor([top])}}, tmp_path / "top")
+    with pytest.raises(ConversionError, match=r"model\.top: value .* overflows bfloat16"):
+        export_checkpoint(tmp_path / "top", tmp_path / "top16", format="safetensors", dtype="bf16")
+    tensors = olmoe_hf_oracle(olmoe_native())
+    tensors["model.norm.weight"][3] = top
+    write_hf(tmp_path / "hf", tensors, hf_config())
+    with pytest.raises(ConversionError, match=r"model\.norm\.weight: value .* overflows bfloat16"):
+        import_hf(tmp_path / "hf", tmp_path / "imported", dtype="bf16")
+    assert not (tmp_path / "imported" / "olmo_chunks.manifest").exists()
+
+
 def test_safetensors_format_keeps_native_names_and_moments_on_request(moe, tmp_path):
     root, t = moe
     rc = main(

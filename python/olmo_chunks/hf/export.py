@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _core, values
 from ..errors import CheckpointExistsError, ConversionError, InvalidArgumentError
 from ..location import checkpoint_location
@@ -22,6 +20,7 @@ from ..shards import dtype_name
 from .common import (
     DEFAULT_MEMORY_BUDGET,
     box_elems,
+    cast_finite,
     config_problems,
     native_loader,
     out_dtype,
@@ -164,13 +163,14 @@ def export_checkpoint(  # noqa: PLR0915
             assert e.source is not None
             n = box_elems(memory_budget, [e.source.dtype.itemsize] * 3 + [od.itemsize])
             for off, size in contiguous_boxes(e.shape, n):
-                x = read_planned(e, off, size, load)
-                if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+                # Checked after the cast: a finite weight can overflow a narrower dtype.
+                x, bad = cast_finite(read_planned(e, off, size, load), od)
+                if bad:
                     raise ConversionError(
-                        [f"{e.source.key}: nonfinite values (exporting {e.hf_name})"],
+                        [f"{e.source.key}: {bad} (exporting {e.hf_name})"],
                         header="refusing to export nonfinite weights",
                     )
-                writer.write(e.hf_name, x.to(od))
+                writer.write(e.hf_name, x)
                 del x
     except BaseException:
         writer.abort()

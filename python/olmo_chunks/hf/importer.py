@@ -20,6 +20,7 @@ from .common import (
     DEFAULT_MEMORY_BUDGET,
     TensorDictSource,
     box_elems,
+    cast_finite,
     out_dtype,
     pick_import_spec,
     resolve_dtype,
@@ -114,10 +115,9 @@ def _import_into(session: SaveSession, src: SafetensorsDir | TensorDictSource, p
             item = src.tensors[e.hf_name].dtype.itemsize
             n = box_elems(memory_budget // 2, [item] * 2 + [e.source.dtype.itemsize] * 2)
             for off, size in contiguous_boxes(e.shape, n):
-                x = src.read_box(e.hf_name, off, size)
-                if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-                    raise ConversionError([f"{e.hf_name}: nonfinite values"], header="refusing to import")
-                x = x.to(e.source.dtype)
+                x, bad = cast_finite(src.read_box(e.hf_name, off, size), e.source.dtype)
+                if bad:
+                    raise ConversionError([f"{e.hf_name}: {bad}"], header="refusing to import")
                 for o, s, d in scatter_planned(e, off, size, x):
                     assert d is not None
                     add(e.source, o, s, d)

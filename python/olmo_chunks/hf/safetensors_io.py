@@ -20,6 +20,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from . import shapes
+from .common import json_object, open_regular, read_json
 
 __all__ = [
     "INDEX_NAME",
@@ -89,7 +90,7 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
     validated like the reference reader: known dtypes, sizes that match shapes, tensors that tile
     the data section exactly."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
@@ -100,20 +101,18 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
             header = f.read(n)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: safetensors file is missing") from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{path}: not a regular file (a directory)") from None
     except OSError as exc:
         raise StorageError(f"{path}: {exc}") from exc
     # Keep every (name, entry) pair: a name given twice in one header is a duplicate, not an update.
     pairs: list[list[tuple[str, Any]]] = []
-    try:
-        def keep(kv: list[tuple[str, Any]]) -> dict[str, Any]:
-            pairs.append(kv)
-            return dict(kv)
 
-        parsed = json.loads(header.decode("utf-8"), object_pairs_hook=keep)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{path}: header is not JSON ({exc})") from None
-    if not isinstance(parsed, dict):
-        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    def keep(kv: list[tuple[str, Any]]) -> dict[str, Any]:
+        pairs.append(kv)
+        return dict(kv)
+
+    json_object(header, f"{path}: header", object_pairs_hook=keep)
     top = pairs[-1]
     metadata: dict[str, Any] = {}
     entries: list[tuple[str, dict[str, Any]]] = []
@@ -132,12 +131,19 @@ def _parse_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str,
         dt: Any = e.get("dtype")
         shape: Any = e.get("shape")
         offs: Any = e.get("data_offsets")
-        if dt not in _ST_DTYPES:
+        # Types exactly as the reference reader takes them: JSON's true is no integer here.
+        if not isinstance(dt, str) or dt not in _ST_DTYPES:
             raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {dt!r}")
-        ok_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-        ok_offs = isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
-        if not (ok_shape and ok_offs) or not 0 <= offs[0] <= offs[1]:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} has a bad shape or data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} has a bad shape {shape!r:.100} (not a list of non-negative integers)"
+            )
+        if not (
+            isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs) and 0 <= offs[0] <= offs[1]
+        ):
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} has bad data_offsets {offs!r:.100} (not two integers 0 <= begin <= end)"
+            )
         want = shapes.numel(shape) * _ST_DTYPES[dt].itemsize
         if offs[1] - offs[0] != want:
             raise CorruptCheckpointError(
@@ -168,23 +174,19 @@ class SafetensorsDir:
         self.duplicates: dict[str, list[str]] = {}
         self.problems: list[str] = []
         self.metadata: dict[str, dict[str, Any]] = {}
+        self.index: dict[str, Any] | None = None
         if not self.path.is_dir():
             raise InvalidArgumentError(f"{self.path}: not a directory")
         index_path = self.path / INDEX_NAME
         weight_map: dict[str, str] | None = None
         if index_path.exists():
-            try:
-                index = json.loads(index_path.read_text())
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict) or not all(
-                    isinstance(v, str) for v in weight_map.values()
-                ):
-                    raise TypeError("weight_map is not a name -> file object")
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CorruptCheckpointError(f"{index_path}: bad index ({exc})") from None
+            self.index = read_json(index_path)
+            weight_map = self.index.get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CorruptCheckpointError(f"{index_path}: bad index (weight_map is not a name -> file object)")
             files = sorted(set(weight_map.values()))
             for f in files:
-                if Path(f).name != f:
+                if f in ("", "..") or Path(f).name != f:
                     raise CorruptCheckpointError(f"{index_path}: file name {f!r} is not a plain name")
         elif (self.path / SINGLE_NAME).exists():
             files = [SINGLE_NAME]
@@ -227,13 +229,7 @@ class SafetensorsDir:
     def config(self) -> dict[str, Any] | None:
         """The directory's `config.json`, if any."""
         p = self.path / "config.json"
-        if not p.exists():
-            return None
-        try:
-            config: dict[str, Any] = json.loads(p.read_text())
-            return config
-        except json.JSONDecodeError as exc:
-            raise CorruptCheckpointError(f"{p}: not JSON ({exc})") from None
+        return read_json(p) if p.exists() else None
 
     def read_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """The sub-box `offsets`/`sizes` of tensor `name`, read from disk (only the rows it spans)."""
@@ -268,7 +264,7 @@ class SafetensorsDir:
             return buf
         view = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         try:
-            with open(t.file, "rb") as f:
+            with open_regular(t.file) as f:
                 pos, done = t.start + start * item, 0
                 while done < len(view):
                     n = os.preadv(f.fileno(), [view[done:]], pos + done)

@@ -27,6 +27,7 @@ from .common import (
     box_elems,
     config_problems,
     native_loader,
+    open_regular,
     pick_import_spec,
     read_config,
     sha256_json,
@@ -42,7 +43,7 @@ from .mapping import (
     read_planned,
 )
 from .ops import TrimVocab
-from .safetensors_io import INDEX_NAME, SafetensorsDir
+from .safetensors_io import SafetensorsDir
 from .shapes import contiguous_boxes
 
 __all__ = ["validate_conversion"]
@@ -187,7 +188,8 @@ def _hf_model_state(
         import transformers
     except ImportError:
         return files, "safetensors files (transformers not installed)", []
-    arch = ((config or {}).get("architectures") or [None])[0]
+    archs = (config or {}).get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None:
         return files, f"safetensors files (transformers has no {arch!r})", []
@@ -235,7 +237,7 @@ def _hash_file(p: Path, budget: int = _HASH_BLOCK) -> str | None:
     if not p.exists():
         return None
     h = hashlib.sha256()
-    with open(p, "rb", buffering=0) as f:
+    with open_regular(p) as f:
         buf = memoryview(bytearray(max(1, min(budget, _HASH_BLOCK, os.fstat(f.fileno()).st_size))))
         while n := f.readinto(buf):
             h.update(buf[:n])
@@ -257,15 +259,15 @@ def validate_conversion(
     failing tensor. Optimizer moments are never loaded."""
     hf_dir = Path(hf)
     cfg_path = Path(config) if config is not None else hf_dir / "config.json"
-    cfg = read_config(cfg_path) if config is not None or cfg_path.exists() else None
+    cfg = read_config(cfg_path) if config is not None else None
     files = SafetensorsDir(hf_dir, strict=False)
+    if config is None:
+        cfg = files.config()
     manifest = _core.Manifest.open(checkpoint_location(native))
     entries = values.entries(manifest)
-    index_meta: dict[str, Any] = {}
-    if (hf_dir / INDEX_NAME).exists():
-        index_meta = (json.loads((hf_dir / INDEX_NAME).read_text()).get("metadata") or {}).get(
-            "olmo_chunks"
-        ) or {}
+    index_meta = (files.index or {}).get("metadata")
+    index_meta = index_meta.get("olmo_chunks") if isinstance(index_meta, dict) else None
+    index_meta = index_meta if isinstance(index_meta, dict) else {}
     recorded = index_meta.get("dtype")
     report: dict[str, Any] = {
         "ok": False,
