@@ -823,3 +823,36 @@ def test_import_dcp_refuses_foreign_pickles(tmp_path):
     with pytest.raises(InvalidArgumentError, match="obj"):
         import_dcp(src2, tmp_path / "out2")
     assert not Path(tmp_path / "out2" / _core.MANIFEST_NAME).exists()
+
+
+def test_import_dcp_refuses_crafted_sizes_and_sparse_items(tmp_path):
+    import io
+
+    from olmo_chunks.errors import CorruptCheckpointError
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def crafted(name: str, change) -> Path:
+        src = tmp_path / name
+        dcp.save({"w": torch.ones(3, 4)}, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+        md = pickle.loads((src / ".metadata").read_bytes())
+        change(src, md)
+        (src / ".metadata").write_bytes(pickle.dumps(md))
+        return src
+
+    def negative(src: Path, md) -> None:
+        md.state_dict_metadata["w"].size = torch.Size([-3, 4])
+
+    def sparse(src: Path, md) -> None:  # the item's bytes: a sparse tensor of the right shape
+        index = next(i for i in md.storage_data if i.fqn == "w")
+        info = md.storage_data[index]
+        buf = io.BytesIO()
+        torch.save(torch.eye(3, 4).to_sparse(), buf)
+        old = (src / info.relative_path).read_bytes()
+        (src / info.relative_path).write_bytes(old + buf.getvalue())
+        md.storage_data[index] = _StorageInfo(info.relative_path, len(old), len(buf.getvalue()))
+
+    # They were an OverflowError and a RuntimeError of copy_() (dense and sparse).
+    with pytest.raises(CorruptCheckpointError, match=r"w: bad size \(-3, 4\) in the DCP metadata"):
+        import_dcp(crafted("negative", negative), tmp_path / "out1")
+    with pytest.raises(CorruptCheckpointError, match=r"does not match its metadata \(a dense torch.float32 tensor"):
+        import_dcp(crafted("sparse", sparse), tmp_path / "out2")

@@ -243,3 +243,11 @@ def test_expanded_tensors_are_saved_as_their_logical_values(tmp_path: Path):
     sd = {"w": torch.zeros(3, 4), "s": torch.zeros(5)}
     olmo_chunks.load(sd, tmp_path / "c")
     assert torch.equal(sd["w"], row.expand(3, 4)) and torch.equal(sd["s"], torch.full((5,), 2.0))
+
+
+def test_containers_held_in_many_places_are_looked_into_once_and_bounded(tmp_path: Path):
+    shared: list = [torch.zeros(1)]
+    for _ in range(40):  # 2**40 paths to one tensor
+        shared = [shared, shared]
+    with pytest.raises(InvalidArgumentError, match=rf"more than {values.MAX_ITEMS} items in the state dict"):
+        olmo_chunks.save({"v": shared}, tmp_path / "x")

@@ -10,7 +10,7 @@ import torch
 
 from .errors import InvalidArgumentError
 from .shards import is_chunk_source
-from .values import MAX_DEPTH
+from .values import MAX_DEPTH, MAX_ITEMS
 
 __all__ = ["Leaf", "flatten"]
 
@@ -38,16 +38,18 @@ def _is_tensorish(v: Any) -> bool:
     return isinstance(v, torch.Tensor) or is_chunk_source(v)
 
 
-def _has_tensor(v: Any, key: str = "", depth: int = 0) -> bool:
+def _has_tensor(v: Any, key: str, depth: int, memo: dict[int, bool]) -> bool:
+    """Whether `v` holds a tensor; `memo` keeps the answer per container (one held in many places
+    is looked into once)."""
     if _is_tensorish(v):
         return True
-    if isinstance(v, (Mapping, list, tuple)) and depth > MAX_DEPTH:
+    if not isinstance(v, (Mapping, list, tuple)):
+        return False
+    if depth > MAX_DEPTH:
         raise InvalidArgumentError(f"{key!r}: nested more than {MAX_DEPTH} containers deep")
-    if isinstance(v, Mapping):
-        return any(_has_tensor(x, key, depth + 1) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_has_tensor(x, key, depth + 1) for x in v)
-    return False
+    if id(v) not in memo:
+        memo[id(v)] = any(_has_tensor(x, key, depth + 1, memo) for x in (v.values() if isinstance(v, Mapping) else v))
+    return memo[id(v)]
 
 
 def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
@@ -57,12 +59,18 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a mapping, not {type(state_dict).__name__}")
     out: dict[str, Leaf] = {}
+    memo: dict[int, bool] = {}  # the containers of `state_dict` live as long as this call
+    left = [MAX_ITEMS]
 
     def visit(prefix: str, container: Any, slot: Any, value: Any, depth: int = 0) -> None:
         items: Iterable[tuple[Any, Any]]
-        if isinstance(value, Mapping) and _has_tensor(value, prefix, depth):
+        left[0] -= 1
+        if left[0] < 0:
+            raise InvalidArgumentError(f"{prefix!r}: more than {MAX_ITEMS} items in the state dict (a container "
+                                       "held in several places counts each time)")
+        if isinstance(value, Mapping) and _has_tensor(value, prefix, depth, memo):
             items = value.items()
-        elif isinstance(value, (list, tuple)) and _has_tensor(value, prefix, depth):
+        elif isinstance(value, (list, tuple)) and _has_tensor(value, prefix, depth, memo):
             items = enumerate(value)
         else:
             if prefix in out:

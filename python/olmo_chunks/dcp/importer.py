@@ -111,6 +111,14 @@ def _bad_metadata(src: Path, what: str) -> Iterator[None]:
         raise CorruptCheckpointError(f"{src}: bad DCP metadata for {what}: {exc}") from None
 
 
+def _dims(src: Path, fqn: str, what: str, dims: Any) -> list[int]:
+    """`dims` (a size, offsets) as a list of non-negative integers, or CorruptCheckpointError."""
+    out = list(dims)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 63 for n in out):
+        raise CorruptCheckpointError(f"{src}: {fqn}: bad {what} {tuple(out)} in the DCP metadata")
+    return out
+
+
 def read_dcp_metadata(src: str | os.PathLike[str]) -> Metadata:
     """The `Metadata` of a checkpoint written by DCP's FileSystemWriter, read without running
     arbitrary pickled code."""
@@ -199,9 +207,11 @@ def import_dcp(  # noqa: PLR0915
         dtype = smd.properties.dtype
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{src}: {fqn} has no valid dtype")
-        schema[fqn] = (dtype_name(dtype), list(smd.size), resolve_role(fqn, torch.empty(0, dtype=dtype), roles))
+        schema[fqn] = (dtype_name(dtype), _dims(src, fqn, "size", smd.size),
+                       resolve_role(fqn, torch.empty(0, dtype=dtype), roles))
         for chunk in smd.chunks:
-            if 0 in list(chunk.sizes):
+            _dims(src, fqn, "chunk offsets", chunk.offsets)
+            if 0 in _dims(src, fqn, "chunk sizes", chunk.sizes):
                 continue
             raw = read_raw(fqn, MetadataIndex(fqn, chunk.offsets))
             try:
@@ -211,10 +221,11 @@ def import_dcp(  # noqa: PLR0915
                     f"{src}: item {fqn} at {tuple(chunk.offsets)} is not a torch.save'd tensor ({exc})"
                 ) from None
             del raw
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or list(t.shape) != list(chunk.sizes):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype or list(
+                    t.shape) != list(chunk.sizes):
                 raise CorruptCheckpointError(
                     f"{src}: item {fqn} at {tuple(chunk.offsets)} does not match "
-                    f"its metadata ({dtype}, {tuple(chunk.sizes)})"
+                    f"its metadata (a dense {dtype} tensor of {tuple(chunk.sizes)})"
                 )
             session.add(fqn, _core.Box(list(chunk.offsets), list(chunk.sizes)), t, owned=True)
 
