@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,7 @@ def _one_bad_call(rank: int, path: str, what: str) -> None:
 
 @pytest.mark.parametrize(("what", "error0", "error1"), [
     ("peer_timeout", "RankFailedError: rank 1 failed: InvalidArgumentError: peer_timeout must be a positive",
-     "InvalidArgumentError: peer_timeout must be a positive number of seconds, got 0"),
+     "InvalidArgumentError: peer_timeout must be a positive number of seconds up to 1e+06, got 0"),
     ("async_path", "RankFailedError: rank 1 failed: InvalidArgumentError: ftp://x/y: unsupported URL scheme",
      "InvalidArgumentError: ftp://x/y: unsupported URL scheme"),
     ("call", "InvalidArgumentError: the ranks of a process group must make the same call: rank 0 called save, "
@@ -280,6 +281,36 @@ def test_each_call_keeps_its_own_peer_timeout(tmp_path, what):
     else:
         assert [r[:2] for r in results] == [("ok", "saved")] * 2, results
         assert holds(path, 3, 2)
+
+
+@pytest.mark.parametrize("peer_timeout", [0, -1, 1e20, float("nan"), float("inf"), "5", True])
+def test_peer_timeouts_beyond_what_a_deadline_holds_are_invalid_arguments(tmp_path, peer_timeout):
+    # 1e20 s was a ValueError of the core's duration conversion, raised before the first step.
+    with pytest.raises(InvalidArgumentError, match="peer_timeout must be a positive number of seconds up to 1e"):
+        olmo_chunks.save(full_state(0, 1, 1), tmp_path / "x", peer_timeout=peer_timeout)
+
+
+def _signalled(rank: int, path: str) -> str:
+    """Rank 1 handles SIGUSR1 (as a preemption handler would) and gets it while it waits in the
+    store for rank 0, which is still writing."""
+    from olmo_chunks.session import SaveSession
+
+    if rank == 1:
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    else:
+        write = SaveSession.write
+        SaveSession.write = lambda *a, **k: (time.sleep(3), write(*a, **k))[1]
+    olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
+    return "saved"
+
+
+def test_a_signal_handled_while_waiting_is_not_a_lost_store(tmp_path):
+    # The wait's read returned EINTR, taken for a lost connection: "rank 0 died", on a save that committed.
+    path = str(tmp_path / "ckpt")
+    results = run_raw(2, _signalled, path, timeout=60)
+    assert [r[:2] for r in results] == [("ok", "saved")] * 2, results
+    assert holds(path, 2, 2)
 
 
 def test_waiting_ranks_look_less_often_in_large_groups() -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import pickle
 import struct
@@ -53,6 +52,8 @@ __all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "rank_and_size"
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
+# The longest peer_timeout (11.6 days: "never give up on a silent peer").
+_MAX_PEER_TIMEOUT = 1e6
 # Longest interval between two heartbeats of a process, whatever its peer_timeout.
 _MAX_BEAT = 2.0
 # Longest a waiting rank blocks in the store before it looks at its peers' heartbeats (in groups
@@ -237,6 +238,9 @@ _link: _Link | None = None
 _link_lock = threading.Lock()
 _calls: dict[str, int] = {}
 _calls_lock = threading.Lock()
+# Abort notes this process could not leave when it lost the store: `(prefix, note)`, left by its
+# next operation, so that a store host that was only paused stops waiting for it in the old one.
+_untold: list[tuple[str, bytes]] = []
 
 
 def _process_link(peer_timeout: float) -> _Link:
@@ -354,8 +358,9 @@ class Group:
         # A bad argument fails the first step (on every rank at once), not this rank before it.
         self.bad: InvalidArgumentError | None = None
         if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, int | float) or not (
-                0 < peer_timeout < math.inf):
-            self.bad = InvalidArgumentError(f"peer_timeout must be a positive number of seconds, got {peer_timeout!r}")
+                0 < peer_timeout <= _MAX_PEER_TIMEOUT):
+            self.bad = InvalidArgumentError(
+                f"peer_timeout must be a positive number of seconds up to {_MAX_PEER_TIMEOUT:g}, got {peer_timeout!r}")
             peer_timeout = DEFAULT_PEER_TIMEOUT
         self.pg = process_group
         self.rank, self.size = rank_and_size(process_group)
@@ -378,6 +383,21 @@ class Group:
             self.store: Any = _process_link(peer_timeout).client(peer_timeout)
         except (ConnectionError, TimeoutError) as exc:
             raise self._store_lost(exc) from exc
+        with _calls_lock:
+            untold = _untold[:]
+            _untold.clear()
+        with contextlib.suppress(Exception):  # best effort, as when they were first due
+            if untold:
+                self.store.set_many([f"{prefix}/abort" for prefix, _ in untold], [note for _, note in untold])
+
+    def use_this_thread(self) -> None:
+        """Goes on with the operation in the calling thread (`async_save`'s), on that thread's own
+        store connection: the thread that began it may start others meanwhile."""
+        if self.size > 1 and self.active:
+            try:
+                self.store = _process_link(self.peer_timeout).client(self.peer_timeout)
+            except (ConnectionError, TimeoutError) as exc:
+                raise self._store_lost(exc) from exc
 
     @classmethod
     def simulated(cls, rank: int, size: int, store: Any, prefix: str, *, peer_timeout: float,
@@ -635,6 +655,11 @@ class Group:
         host = self.global_ranks.index(0) if 0 in self.global_ranks else None
         self.dead.add(-1 if host is None else host)
         who = f"rank {host}" if host is not None else "global rank 0"
+        if self.rank != 0:
+            note = (f"rank {self.rank} gave up on this operation: it lost the rendezvous store ({_describe(exc)})",
+                    self.rank, False)
+            with _calls_lock:
+                _untold.append((self.prefix, pickle.dumps(note)))
         return RankFailedError(f"{who} died or stopped responding: the rendezvous store it hosts is gone "
                                f"({_describe(exc)}); the process group is unusable without it: restart the job",
                                rank=host, dead=True)
@@ -673,6 +698,7 @@ class Group:
             while not self.store.wait([done], interval):
                 if self.store.add(acks, 0) >= len(live) or time.monotonic() > deadline:
                     break
+                self._check_abort()  # a peer that gave up on the store meanwhile, and came back
                 watch.check(live, "the end of the operation")
             self.store.delete([acks, done])
             if self.seq:

@@ -114,6 +114,7 @@ def async_save(
     def finish() -> None:
         try:
             with steps.group, steps:
+                steps.group.use_this_thread()
                 steps.lease()
                 steps.commit(write)
             steps.log(t0)

@@ -266,7 +266,14 @@ impl StoreClient {
         self.stream
             .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
         let mut b = [0u8; 1];
-        let got = self.stream.read(&mut b);
+        // A signal handled by the process interrupts a read with a timeout (EINTR even under
+        // SA_RESTART): read again, the wait is still on.
+        let got = loop {
+            match self.stream.read(&mut b) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                got => break got,
+            }
+        };
         self.stream.set_read_timeout(Some(self.timeout))?;
         match got {
             Ok(1) if b[0] == STOP_WAITING => Ok(true),
