@@ -418,3 +418,18 @@ def test_errors_cross_to_other_ranks_as_themselves_only_where_their_message_make
         assert shared_name(exc) == ""
     for name in ("MismatchError", "RankFailedError", "os", "__builtins__", "Any"):  # what the store may say
         assert type(named_error(name, "m")) is OlmoChunksError
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:9 "),  # a trailing blank was a panic of the HTTP client
+    ("AWS_ENDPOINT_URL", "not a url"),
+    ("OLMO_CHUNKS_RETRY_TIMEOUT", "30s"),  # was silently 120 s
+    ("OLMO_CHUNKS_RETRY_TIMEOUT", "0"),
+])
+def test_bad_object_store_settings_are_invalid_arguments(monkeypatch, var: str, value: str):
+    import uuid
+
+    monkeypatch.setenv(var, value)
+    bucket = f"never-{uuid.uuid4().hex[:12]}"  # a bucket this process has no client for yet
+    with pytest.raises(InvalidArgumentError, match=f'{var}="{value}"'):
+        olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/x")

@@ -58,13 +58,36 @@ pub(super) fn runtime() -> Result<Arc<Runtime>> {
 
 /// `OLMO_CHUNKS_RETRY_TIMEOUT` seconds (default 120): how long one operation may take, retries
 /// included.
-fn retry_budget() -> Duration {
-    std::env::var("OLMO_CHUNKS_RETRY_TIMEOUT")
+fn retry_budget() -> Result<Duration> {
+    let Ok(v) = std::env::var("OLMO_CHUNKS_RETRY_TIMEOUT") else {
+        return Ok(Duration::from_secs(120));
+    };
+    v.trim()
+        .parse::<f64>()
         .ok()
-        .and_then(|v| v.parse::<f64>().ok())
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
         .filter(|d| !d.is_zero())
-        .unwrap_or(Duration::from_secs(120))
+        .ok_or_else(|| {
+            CoreError::InvalidArgument(format!(
+                "OLMO_CHUNKS_RETRY_TIMEOUT={v:?}: expected a number of seconds above 0"
+            ))
+        })
+}
+
+/// Refuses an endpoint the client would only reject when it sends a request (with a panic of
+/// its HTTP library): one that is not an http(s) URL, or holds blanks or control characters.
+fn check_endpoints() -> Result<()> {
+    for var in ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"] {
+        if let Ok(v) = std::env::var(var) {
+            let scheme = v.starts_with("http://") || v.starts_with("https://");
+            if !scheme || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{var}={v:?} is not a valid URL (http://host:port or https://...)"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The retry policy: backoff from 100 ms to 15 s, at most 10 retries, no retry begun after the
@@ -125,7 +148,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
             return Ok(b.clone());
         }
         let bad = |e: object_store::Error| CoreError::InvalidArgument(format!("{key}: {e}"));
-        let budget = retry_budget();
+        let budget = retry_budget()?;
         let b = if scheme == "gs" {
             let mut builder = object_store::gcp::GoogleCloudStorageBuilder::from_env()
                 .with_bucket_name(bucket)
@@ -140,6 +163,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
                 counters: Arc::default(),
             }
         } else {
+            check_endpoints()?;
             let mut builder = object_store::aws::AmazonS3Builder::from_env()
                 .with_bucket_name(bucket)
                 .with_retry(retry_config(budget));
