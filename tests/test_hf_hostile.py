@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import shutil
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from olmo_chunks.hf.safetensors_io import INDEX_NAME
 from olmo_chunks.hf.validate import validate_conversion
 
 from tests.test_export import hf_config, olmoe_hf_oracle, olmoe_native, save_native, write_hf
+from tests.test_hostile_files import run_with_deadline
 
 
 @pytest.fixture(scope="module")
@@ -165,21 +165,6 @@ def test_bool_shape_is_not_read_as_an_integer(good: Path, tmp_path: Path):
     assert p.exists()
 
 
-def _within_seconds(fn: Callable[[], object], seconds: float = 20) -> tuple[str, object]:
-    out: list[tuple[str, object]] = []
-
-    def target() -> None:
-        try:
-            out.append(("ok", fn()))
-        except BaseException as e:
-            out.append(("raised", e))
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    return out[0] if out else ("blocked", None)
-
-
 @pytest.mark.parametrize("which", ["shard", INDEX_NAME, "config.json"])
 def test_fifo_in_an_hf_directory_is_refused_within_seconds(good: Path, tmp_path: Path, which: str):
     d = tmp_path / "hf"
@@ -193,7 +178,7 @@ def test_fifo_in_an_hf_directory_is_refused_within_seconds(good: Path, tmp_path:
             ("validate", lambda: validate_conversion(good / "native", d, round_trip=False)),
             ("cli", lambda: main(["import-hf", str(d), str(tmp_path / "out")])),
         ]:
-            status, value = _within_seconds(fn)
+            status, value = run_with_deadline(fn)
             assert status != "blocked", f"{what} blocked on a FIFO"
             if what == "cli":
                 assert (status, value) == ("ok", 1)
