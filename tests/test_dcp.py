@@ -825,6 +825,7 @@ def test_import_dcp_refuses_foreign_pickles(tmp_path):
     assert not Path(tmp_path / "out2" / _core.MANIFEST_NAME).exists()
 
 
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")  # torch.load of the crafted item
 def test_import_dcp_refuses_crafted_sizes_and_sparse_items(tmp_path):
     import io
 
