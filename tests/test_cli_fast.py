@@ -188,3 +188,11 @@ def test_bad_arguments_paths_and_config_files_are_one_line_errors(
     assert not re.search(r"\b\w+(Error|Exception)\b|Traceback", err), err
     assert (tmp_path / "done" / "model.safetensors.index.json").read_text() == "{}"  # nothing replaced
     assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
+    # `inspect CKPT | head -1` printed "error: BrokenPipeError" (and Python's own at exit).
+    olmo_chunks.save({f"layers.{i}.weight": torch.zeros(1) for i in range(4000)}, tmp_path / "c")  # a long listing
+    out = subprocess.run(f"{sys.executable} -m olmo_chunks inspect {tmp_path / 'c'} | head -c 1", shell=True,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and len(out.stdout) == 1 and out.stderr == "", out

@@ -286,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return rc
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`| head`), having what it wanted: no error
+        with contextlib.suppress(OSError, ValueError):  # nor another at exit, flushing stdout
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports SIGPIPE
     except Exception as exc:
         return _fail(cmd.name, exc)
 
