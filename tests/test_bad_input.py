@@ -409,15 +409,21 @@ def test_a_checkpoint_replaced_during_a_load_says_so(ckpt: Path, monkeypatch):
 
 
 def test_errors_cross_to_other_ranks_as_themselves_only_where_their_message_makes_them():
-    from olmo_chunks.errors import CheckpointLockedError, named_error, shared_name
+    from olmo_chunks.errors import CheckpointLockedError, ConversionError, named_error, shared_form
 
-    assert shared_name(CheckpointLockedError("held")) == "CheckpointLockedError"
+    assert shared_form(CheckpointLockedError("held")) == ("CheckpointLockedError", "held", None)
     got = named_error("CheckpointLockedError", "held")
     assert type(got) is CheckpointLockedError and str(got) == "held"
-    for exc in (MismatchError(["a: b"]), RankFailedError("rank 2 died"), ValueError("x")):
-        assert shared_name(exc) == ""
+    for exc in (MismatchError(["a: b", "c: d"], header="ranks disagree"), ConversionError(["x"])):
+        form = shared_form(exc)
+        assert form is not None
+        again = named_error(*form)
+        assert type(again) is type(exc) and again.mismatches == exc.mismatches and str(again) == str(exc)
+    for exc in (RankFailedError("rank 2 died"), ValueError("x")):
+        assert shared_form(exc) is None
     for name in ("MismatchError", "RankFailedError", "os", "__builtins__", "Any"):  # what the store may say
         assert type(named_error(name, "m")) is OlmoChunksError
+    assert type(named_error("MismatchError", "m", [1])) is OlmoChunksError  # a list of strings only
 
 
 @pytest.mark.parametrize(("var", "value"), [

@@ -294,15 +294,19 @@ def _inconsistent_save(path, case):
     try:
         oc.save({"w": lo.view(lo.empty())}, path)
     except oc.OlmoChunksError as exc:
-        return type(exc).__name__
-    return "saved"
+        return type(exc).__name__, getattr(exc, "mismatches", None)
+    return "saved", None
 
 
 @pytest.mark.parametrize("case, error", [("overlap", "LayoutError"), ("gap", "LayoutError"),
                                          ("count", "MismatchError")])
 def test_inconsistent_layouts_across_ranks_are_refused(tmp_path, case, error):
     out = world.run(2, _inconsistent_save, str(tmp_path / "ck"), case)
-    assert error in out and "saved" not in out
+    # Every rank raises the root's error as itself, a MismatchError with its list (was RankFailedError on rank 1)
+    assert [name for name, _ in out] == [error] * 2 and out[0][1] == out[1][1]
+    if error == "MismatchError":
+        assert out[0][1] == ["w: rank 1 has ('float32', [5, 3], 'main_weight'), "
+                             "another rank ('float32', [4, 3], 'main_weight')"]
     assert not (tmp_path / "ck" / oc.MANIFEST_NAME).exists()
 
 

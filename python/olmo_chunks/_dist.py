@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError, named_error, shared_name
+from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError, named_error, shared_form
 
 T = TypeVar("T")
 
@@ -518,7 +518,7 @@ class Group:
                 r = failed[0]
                 raise RankFailedError(f"rank {r} failed: {arrived[r][1]}", rank=r)
         except RankFailedError as exc:
-            self._publish(key, ("fail", (str(exc), exc.rank, exc.dead, "")))
+            self._publish(key, ("fail", (str(exc), exc.rank, exc.dead, None)))
             # Hear out the ranks still working (or their death), so that what the caller cleans up
             # after this failure is not written to again.
             if not exc.dead:
@@ -572,9 +572,9 @@ class Group:
         self._wait([out_key], lambda: watch.check([0]))
         status, payload = _loads(store.get(out_key))
         if status == "fail":
-            msg, rank, dead, cls = payload
-            if cls:
-                raise named_error(cls, msg)
+            msg, rank, dead, form = payload
+            if form:
+                raise named_error(*form)
             raise RankFailedError(msg, rank=rank, dead=dead)
         if scatter:
             payload = _loads(store.get(f"{out_key}/{self.rank}"))
@@ -629,13 +629,13 @@ class Group:
         publishes the failure, another rank leaves a note the others look for while they wait.
         The others raise the root's `shared` error (a step's outcome: the path is locked) and its
         `InvalidArgumentError` as themselves, anything else as `RankFailedError` naming this rank."""
-        cls = shared_name(exc) if self.rank == 0 and (shared or isinstance(exc, InvalidArgumentError)) else ""
-        msg = str(exc) if rank is not None or cls else f"rank {self.rank} failed: {_describe(exc)}"
+        form = shared_form(exc) if self.rank == 0 and (shared or isinstance(exc, InvalidArgumentError)) else None
+        msg = str(exc) if rank is not None or form else f"rank {self.rank} failed: {_describe(exc)}"
         who = self.rank if rank is None else rank
         self.told = True
         with contextlib.suppress(Exception):
             if self.rank == 0:
-                self._publish(key, ("fail", (msg, who, dead, cls)))
+                self._publish(key, ("fail", (msg, who, dead, form)))
             self.store.set(f"{self.prefix}/abort", pickle.dumps((msg, who, dead)))
 
     def _tell(self, exc: BaseException) -> None:

@@ -83,6 +83,7 @@ class MismatchError(OlmoChunksError, ValueError):
 
     def __init__(self, mismatches: list[str], *, header: str = "checkpoint does not match the state dict") -> None:
         self.mismatches = list(mismatches)
+        self.header = header
         lines = "\n".join(f"  - {m}" for m in self.mismatches)
         super().__init__(f"{header} ({len(self.mismatches)} mismatch(es)):\n{lines}")
 
@@ -139,14 +140,22 @@ def _by_name(name: str) -> type[OlmoChunksError] | None:
     return None
 
 
-def shared_name(exc: BaseException) -> str:
-    """The name `named_error` makes `exc` again by on another rank, or "" if it cannot."""
-    return type(exc).__name__ if _by_name(type(exc).__name__) is type(exc) else ""
+def shared_form(exc: BaseException) -> tuple[str, str, list[str] | None] | None:
+    """How `named_error` makes `exc` again on another rank: its class name, its message (a
+    `MismatchError`'s header) and a `MismatchError`'s list; None if it cannot."""
+    name = type(exc).__name__
+    if isinstance(exc, MismatchError) and globals().get(name) is type(exc):
+        return (name, exc.header, list(exc.mismatches))
+    return (name, str(exc), None) if _by_name(name) is type(exc) else None
 
 
-def named_error(name: str, message: str) -> OlmoChunksError:
-    """The error of class `name` (see `shared_name`) with `message`, else an `OlmoChunksError`: how
+def named_error(name: str, message: str, mismatches: list[str] | None = None) -> OlmoChunksError:
+    """The error of class `name` (see `shared_form`) with `message`, else an `OlmoChunksError`: how
     an error raised on one rank is raised as itself on the others (`name` came through the job's
     store)."""
+    cls = globals().get(name)
+    if (mismatches is not None and isinstance(cls, type) and cls in (MismatchError, ConversionError)
+            and all(isinstance(m, str) for m in mismatches)):
+        return cls(mismatches, header=message)
     cls = _by_name(name)
     return cls(message) if cls is not None else OlmoChunksError(message)
