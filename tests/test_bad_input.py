@@ -439,3 +439,18 @@ def test_bad_object_store_settings_are_invalid_arguments(monkeypatch, var: str, 
     bucket = f"never-{uuid.uuid4().hex[:12]}"  # a bucket this process has no client for yet
     with pytest.raises(InvalidArgumentError, match=f'{var}="{value}"'):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/x")
+
+
+@pytest.mark.parametrize("allow", [None, "false", "maybe"])
+def test_plain_http_endpoint_without_allow_http_names_the_variable(monkeypatch, allow: str | None):
+    import uuid
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    if allow is None:
+        monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    else:
+        monkeypatch.setenv("AWS_ALLOW_HTTP", allow)
+    said = "is not set" if allow is None else f'is "{allow}"'
+    want = rf"plain HTTP; set AWS_ALLOW_HTTP=true to use it \(AWS_ALLOW_HTTP {said}\)"
+    with pytest.raises(InvalidArgumentError, match=want):
+        olmo_chunks.load({"w": torch.zeros(1)}, f"s3://never-{uuid.uuid4().hex[:12]}/x")  # was "builder error"

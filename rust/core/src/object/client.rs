@@ -90,6 +90,26 @@ fn check_endpoints() -> Result<()> {
     Ok(())
 }
 
+/// Refuses an `http://` endpoint without `AWS_ALLOW_HTTP=true`, naming the variable: the client
+/// would fail each request with "HTTP error: builder error".
+fn refuse_plain_http(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
+    let value = |key| builder.get_config_value(&key).unwrap_or_default();
+    let endpoint = value(AmazonS3ConfigKey::Endpoint);
+    let allowed = value(AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp)).to_ascii_lowercase();
+    if endpoint.starts_with("http://")
+        && !matches!(allowed.as_str(), "1" | "true" | "on" | "yes" | "y")
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "the S3 endpoint {endpoint:?} is plain HTTP; set AWS_ALLOW_HTTP=true to use it ({})",
+            match std::env::var("AWS_ALLOW_HTTP") {
+                Ok(v) => format!("AWS_ALLOW_HTTP is {v:?}"),
+                Err(_) => "AWS_ALLOW_HTTP is not set".into(),
+            }
+        )));
+    }
+    Ok(())
+}
+
 /// The retry policy: backoff from 100 ms to 15 s, at most 10 retries, no retry begun after the
 /// budget from a request's first try.
 fn retry_config(budget: Duration) -> RetryConfig {
@@ -170,6 +190,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
             for (key, value) in deadlines(budget) {
                 builder = builder.with_config(AmazonS3ConfigKey::Client(key), value);
             }
+            refuse_plain_http(&builder)?;
             let s3 = Arc::new(builder.build().map_err(bad)?);
             Bucket {
                 store: s3.clone(),
