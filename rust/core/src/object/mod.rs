@@ -16,7 +16,7 @@
 //! (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ... or `GOOGLE_*`). Requests are retried with
 //! backoff on throttling, 5xx and dropped connections, bounded in count and time
 //! (`OLMO_CHUNKS_RETRY_TIMEOUT` seconds, default 120, also each request's deadline), then fail
-//! with an I/O error.
+//! with an I/O error; the requests that follow such a failure get 1 s each (`client::Breaker`).
 
 mod client;
 mod storage;

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
@@ -13,7 +13,7 @@ use object_store::{
 };
 use tokio::runtime::Runtime;
 
-use super::client::{bucket_for, runtime, split_url, Bucket};
+use super::client::{bucket_for, retry_budget, runtime, split_url, Breaker, Bucket};
 use super::transfer::{RemoteReader, RemoteWriter};
 use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
 use crate::error::{CoreError, Result};
@@ -60,6 +60,42 @@ pub(super) fn to_io(e: object_store::Error) -> std::io::Error {
     std::io::Error::new(io_kind(&e), e)
 }
 
+/// The error of a request cut short by the [`Breaker`].
+pub(super) trait Unanswered {
+    fn unanswered(after: Duration) -> Self;
+}
+
+fn unanswered_io(after: Duration) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "no answer within {after:?}, just after another request to this bucket failed for \
+             good (the server is gone or hung)"
+        ),
+    )
+}
+
+impl Unanswered for std::io::Error {
+    fn unanswered(after: Duration) -> Self {
+        unanswered_io(after)
+    }
+}
+
+impl Unanswered for object_store::Error {
+    fn unanswered(after: Duration) -> Self {
+        object_store::Error::Generic {
+            store: "olmo-chunks",
+            source: Box::new(unanswered_io(after)),
+        }
+    }
+}
+
+impl Unanswered for CoreError {
+    fn unanswered(after: Duration) -> Self {
+        CoreError::io("object store", unanswered_io(after))
+    }
+}
+
 impl ObjectStorage {
     /// The storage at `url` (`s3://bucket/prefix` or `gs://bucket/prefix`).
     pub fn open(url: &str) -> Result<Self> {
@@ -86,6 +122,7 @@ impl ObjectStorage {
                 store: mem.clone(),
                 multipart: mem,
                 counters: Arc::default(),
+                breaker: Breaker::new(retry_budget()?),
             }),
             runtime: runtime()?,
             url: "memory://b/p".into(),
@@ -103,13 +140,26 @@ impl ObjectStorage {
         })
     }
 
-    /// Runs one request to completion from synchronous code.
-    pub(super) fn block_on<T>(&self, fut: impl std::future::Future<Output = T>) -> T {
+    /// Runs one request to completion from synchronous code, within the bucket's [`Breaker`].
+    pub(super) fn block_on<T, E: Unanswered>(
+        &self,
+        fut: impl std::future::Future<Output = std::result::Result<T, E>>,
+    ) -> std::result::Result<T, E> {
+        let breaker = &self.bucket.breaker;
         self.bucket
             .counters
             .requests
             .fetch_add(1, Ordering::Relaxed);
-        self.runtime.block_on(fut)
+        let start = Instant::now();
+        let out = match breaker.deadline() {
+            None => self.runtime.block_on(fut),
+            Some(d) => self
+                .runtime
+                .block_on(async { tokio::time::timeout(d, fut).await })
+                .unwrap_or_else(|_| Err(E::unanswered(d))),
+        };
+        breaker.record(start, out.is_ok());
+        out
     }
 
     fn err(&self, rel: &str, e: object_store::Error) -> CoreError {
