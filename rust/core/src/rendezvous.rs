@@ -320,6 +320,42 @@ struct Shared {
     beat: Mutex<Beat>,
     wake: Condvar,
     beats: AtomicU64,
+    silences: Mutex<Silences>,
+}
+
+/// The gaps between this process's beats as its peers see them: how long it was silent.
+struct Silences {
+    /// When the last beat landed.
+    last: Instant,
+    /// The longest recent gaps, `(when it ended, how long)`, at most [`SILENCES_KEPT`].
+    long: std::collections::VecDeque<(Instant, Duration)>,
+}
+
+/// How many long silences a heartbeat remembers (those of more than two beats).
+const SILENCES_KEPT: usize = 16;
+
+impl Silences {
+    fn landed(&mut self, interval: Duration) {
+        let now = Instant::now();
+        let gap = now - self.last;
+        self.last = now;
+        if gap > 2 * interval {
+            if self.long.len() == SILENCES_KEPT {
+                self.long.pop_front();
+            }
+            self.long.push_back((now, gap));
+        }
+    }
+
+    fn longest(&self, within: Duration) -> Duration {
+        let now = Instant::now();
+        let recent = self
+            .long
+            .iter()
+            .filter(|(end, _)| now.duration_since(*end) <= within)
+            .map(|(_, gap)| *gap);
+        recent.fold(now - self.last, Duration::max)
+    }
 }
 
 struct Beat {
@@ -330,6 +366,10 @@ struct Beat {
 impl Shared {
     fn beat(&self) -> MutexGuard<'_, Beat> {
         self.beat.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn silences(&self) -> MutexGuard<'_, Silences> {
+        self.silences.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn set(&self, f: impl FnOnce(&mut Beat)) {
@@ -381,6 +421,10 @@ impl Heartbeat {
             }),
             wake: Condvar::new(),
             beats: AtomicU64::new(1),
+            silences: Mutex::new(Silences {
+                last: Instant::now(),
+                long: Default::default(),
+            }),
         });
         let sh = shared.clone();
         let (host, key) = (host.to_string(), key.to_string());
@@ -402,6 +446,8 @@ impl Heartbeat {
                     match client.as_mut().map(|c| c.add(&key, 1)) {
                         Some(Ok(_)) => {
                             sh.beats.fetch_add(1, Ordering::Relaxed);
+                            let interval = sh.beat().interval;
+                            sh.silences().landed(interval);
                         }
                         _ => client = None,
                     }
@@ -424,6 +470,14 @@ impl Heartbeat {
         self.shared.beats.load(Ordering::Relaxed)
     }
 
+    /// The longest this process went without a beat landing, of the silences that ended within
+    /// `within` or go on now: what its peers saw. A frozen process (SIGSTOP, a VM paused, a swap
+    /// storm) or a store that stopped answering it shows here; a GIL held by one long call does
+    /// not (the thread is native).
+    pub fn longest_silence(&self, within: Duration) -> Duration {
+        self.shared.silences().longest(within)
+    }
+
     /// Stops the thread: no beat starts after this returns. Waits for the thread to end, at most
     /// `STOP_WAIT` where it is inside a store call (reconnecting to a store whose host died, which
     /// retries for the whole timeout): joining it, a heartbeat dropped after its store's host
@@ -443,5 +497,36 @@ impl Heartbeat {
 impl Drop for Heartbeat {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silences_remember_the_long_gaps_between_beats_that_ended_within_the_window() {
+        let every = Duration::from_millis(10);
+        let mut s = Silences {
+            last: Instant::now() - Duration::from_millis(500), // a freeze of 0.5 s ends now
+            long: Default::default(),
+        };
+        s.landed(every);
+        let gap = s.longest(Duration::from_secs(60));
+        assert!(
+            gap >= Duration::from_millis(500) && gap < Duration::from_secs(5),
+            "{gap:?}"
+        );
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(s.longest(Duration::from_millis(5)) < Duration::from_millis(500)); // ended before
+        assert!(s.longest(Duration::from_millis(5)) >= Duration::from_millis(30)); // the one going on
+        s.landed(every); // a gap of 3 beats: kept too
+        for _ in 0..SILENCES_KEPT {
+            s.last -= Duration::from_millis(100);
+            s.landed(every);
+        }
+        assert_eq!(s.long.len(), SILENCES_KEPT);
+        assert!(s.longest(Duration::from_secs(60)) < Duration::from_millis(500));
+        // the oldest went
     }
 }

@@ -1486,6 +1486,13 @@ impl PyHeartbeat {
         self.inner.beats()
     }
 
+    /// Seconds: the longest this process went without a beat landing, of the silences that ended
+    /// within the last `within` seconds or go on now.
+    fn longest_silence(&self, within: f64) -> f64 {
+        let within = Duration::try_from_secs_f64(within).unwrap_or(Duration::MAX);
+        self.inner.longest_silence(within).as_secs_f64()
+    }
+
     fn stop(&self, py: Python<'_>) {
         py.detach(|| self.inner.stop());
     }
