@@ -182,6 +182,56 @@ def test_a_save_beside_foreign_objects_never_touches_them(s3, bucket):
         olmo_chunks.save(_state(1, 1000), f"s3://{bucket}/beside2")
 
 
+# Prefixes whose characters object_store's Path::from percent-encoded, and the keys earlier releases
+# saved them at.
+ODD_PREFIXES = [("runs/café/step1", "runs/caf%C3%A9/step1"), ("runs/~x/step1", "runs/%7Ex/step1"),
+                ("runs/v1*/s#1?/a b%", "runs/v1%2A/s%231%3F/a b%25")]
+
+
+def _upload_dir(client: Any, bucket: str, local: Any, prefix: str) -> None:
+    """What `aws s3 sync LOCAL s3://BUCKET/PREFIX` does."""
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(local).as_posix()}")
+
+
+@pytest.mark.parametrize(("prefix", "encoded"), ODD_PREFIXES)
+def test_an_odd_prefix_names_the_keys_as_written(s3, bucket, tmp_path, prefix, encoded):
+    # `~`, `*`, `#`, `%`, `?` and non-ASCII were percent-encoded into other keys: a checkpoint
+    # synced there by other tools was not found, and saves landed where other tools do not look.
+    client = s3.client()
+    olmo_chunks.save(_state(1, 1000), tmp_path / "local")
+    _upload_dir(client, bucket, tmp_path / "local", prefix)
+    back = {"w": torch.zeros(1000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, f"s3://{bucket}/{prefix}")
+    assert torch.equal(back["w"], _state(1, 1000)["w"]) and back["step"] == 1
+    olmo_chunks.save(_state(2, 1000), f"s3://{bucket}//{prefix}/", overwrite=True)  # empty segments collapse
+    assert all(k.startswith(f"{prefix}/") for k in s3.keys(bucket)), s3.keys(bucket)
+    assert load_one(f"s3://{bucket}/{prefix}") == 2
+
+
+@pytest.mark.parametrize(("prefix", "encoded"), ODD_PREFIXES)
+def test_a_checkpoint_an_earlier_release_saved_at_an_encoded_prefix_is_found_and_saved_again_there(
+        s3, bucket, tmp_path, prefix, encoded):
+    client = s3.client()
+    olmo_chunks.save(_state(1, 1000), tmp_path / "local")
+    _upload_dir(client, bucket, tmp_path / "local", encoded)
+    url = f"s3://{bucket}/{prefix}"
+    assert load_one(url) == 1
+    olmo_chunks.save(_state(2, 1000), url, overwrite=True)
+    assert load_one(url) == 2
+    assert all(k.startswith(f"{encoded}/") for k in s3.keys(bucket)), s3.keys(bucket)
+    with pytest.raises(InvalidArgumentError, match="control characters are not allowed"):
+        olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/a\tb")
+
+
+def load_one(url: str) -> int:
+    back = {"w": torch.zeros(1000), "b": torch.zeros(3, 7), "step": 0}
+    olmo_chunks.load(back, url)
+    assert torch.equal(back["w"], _state(back["step"], 1000)["w"])
+    return back["step"]
+
+
 def test_a_corrupted_object_fails_its_checksum(s3, bucket):
     url = f"s3://{bucket}/c"
     olmo_chunks.save(_state(3, 1000), url)

@@ -200,11 +200,17 @@ pub(super) fn split_url(url: &str) -> Result<(String, String, String)> {
     if bucket.is_empty() {
         return Err(bad("no bucket name"));
     }
-    let prefix = prefix.trim_end_matches('/');
-    if prefix.split('/').any(|p| matches!(p, "." | "..")) {
+    // Empty segments (`a//b`, a trailing `/`) collapse, as they always did.
+    let prefix: Vec<&str> = prefix.split('/').filter(|p| !p.is_empty()).collect();
+    if prefix.iter().any(|p| matches!(*p, "." | "..")) {
         return Err(bad("'.' and '..' are not allowed in an object key prefix"));
     }
-    Ok((scheme.to_string(), bucket.to_string(), prefix.to_string()))
+    if prefix.iter().any(|p| p.chars().any(char::is_control)) {
+        return Err(bad(
+            "control characters are not allowed in an object key prefix",
+        ));
+    }
+    Ok((scheme.to_string(), bucket.to_string(), prefix.join("/")))
 }
 
 pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {

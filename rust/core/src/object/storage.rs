@@ -17,10 +17,11 @@ use super::client::{bucket_for, retry_budget, runtime, split_url, Breaker, Bucke
 use super::transfer::{RemoteReader, RemoteWriter};
 use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
 use crate::error::{CoreError, Result};
+use crate::manifest::MANIFEST_NAME;
 use crate::storage::{
     Entry, Head, HeadCheck, IoCounters, Object, PutIf, ReadMerge, Storage, Version,
 };
-use crate::txn::{CLOCK_PREFIX, MAX_LEASE_LEN, UPLOAD_SUFFIX};
+use crate::txn::{CLOCK_PREFIX, LEASE_NAME, MAX_LEASE_LEN, UPLOAD_SUFFIX};
 
 /// Clock probes written before [`ObjectStorage::clock`] gives up on probes that vanish.
 const CLOCK_TRIES: u32 = 3;
@@ -98,9 +99,14 @@ impl Unanswered for CoreError {
 
 impl ObjectStorage {
     /// The storage at `url` (`s3://bucket/prefix` or `gs://bucket/prefix`).
+    ///
+    /// Its objects lie at the keys the prefix names, as written. Earlier releases percent-encoded
+    /// some characters of a prefix (`~`, `*`, `#`, `%`, non-ASCII, ...: object_store's
+    /// `Path::from`); a checkpoint they saved is found where it is, and saved again there, while
+    /// the prefix itself holds no save (up to four more requests, for such prefixes only).
     pub fn open(url: &str) -> Result<Self> {
         let (scheme, bucket, prefix) = split_url(url)?;
-        Ok(ObjectStorage {
+        let mut s = ObjectStorage {
             bucket: bucket_for(&scheme, &bucket)?,
             runtime: runtime()?,
             url: format!("{scheme}://{bucket}/{prefix}")
@@ -109,7 +115,20 @@ impl ObjectStorage {
             prefix,
             part_size: PART_SIZE,
             merge: read_merge()?,
-        })
+        };
+        let encoded = ObjectPath::from(s.prefix.as_str()).to_string();
+        if encoded != s.prefix && !s.holds_a_save()? {
+            let raw = std::mem::replace(&mut s.prefix, encoded);
+            if !s.holds_a_save()? {
+                s.prefix = raw;
+            }
+        }
+        Ok(s)
+    }
+
+    /// Whether a save was committed, or is being made, at the prefix.
+    fn holds_a_save(&self) -> Result<bool> {
+        Ok(self.head(MANIFEST_NAME)?.is_some() || self.head(LEASE_NAME)?.is_some())
     }
 
     /// A prefix of a fresh in-memory store (which takes parts of any size), uploading in `part`
@@ -132,12 +151,15 @@ impl ObjectStorage {
         })
     }
 
+    /// The key of `rel` below the prefix, as written (`Path::from` would percent-encode it); one
+    /// that no key can be (a control character, from a crafted manifest) is encoded.
     fn key(&self, rel: &str) -> ObjectPath {
-        ObjectPath::from(if self.prefix.is_empty() {
+        let key = if self.prefix.is_empty() {
             rel.to_string()
         } else {
             format!("{}/{rel}", self.prefix)
-        })
+        };
+        ObjectPath::parse(&key).unwrap_or_else(|_| ObjectPath::from(key))
     }
 
     /// Runs one request to completion from synchronous code, within the bucket's [`Breaker`].
