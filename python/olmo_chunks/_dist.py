@@ -255,7 +255,7 @@ _calls_lock = threading.Lock()
 # next operation, so that a store host that was only paused stops waiting for it in the old one.
 _untold: list[tuple[str, bytes]] = []
 # When this process last left an operation (`time.monotonic()`): its silences since count against
-# the next (`Group.check_awake`).
+# the next (`Group._check_awake`).
 _left_at = 0.0
 
 
@@ -647,9 +647,9 @@ class Group:
         silent = self.link.heartbeat.longest_silence(time.monotonic() - self.since)
         if silent >= self.peer_timeout - self.poll_interval:
             raise RankFailedError(
-                f"rank 0 went silent for {silent:.1f} s during this {self.op} (frozen, or cut off from the store), "
-                f"long enough for the other ranks to give up on it (peer_timeout={self.peer_timeout:g} s); so it "
-                "stops too, rather than go on without them (a save commits nothing)", rank=0)
+                f"rank 0 went silent for {silent:.1f} s in or just before this {self.op} (frozen, or cut off from "
+                f"the store), long enough for the other ranks to give up on it (peer_timeout={self.peer_timeout:g} "
+                "s); so it stops too, rather than go on without them (a save commits nothing)", rank=0)
 
     def _check_abort(self) -> None:
         note = f"{self.prefix}/abort"
