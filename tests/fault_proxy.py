@@ -9,7 +9,9 @@ the S3 server at 127.0.0.1:TARGET that answers the first COUNT METHOD requests f
 - `other-range`: a ranged GET answered with the bytes of the range just after the one asked for,
   under a Content-Range that says so;
 - `vanished`: a HEAD of a clock probe (`.olmo_chunks.clock-*`, not a data object) answered 404, as
-  when another save's cleanup removed the probe between its PUT and its HEAD.
+  when another save's cleanup removed the probe between its PUT and its HEAD;
+- `lost-commit`: a PUT of the manifest (not a data object) forwarded, so the server commits it, and
+  never answered; every GET of the manifest then answered 1.3 s late.
 
 Each request is forwarded on a fresh upstream connection; the client's connection is kept alive.
 It prints `faults N` on stdout after each fault it injects.
@@ -84,6 +86,13 @@ class Proxy:
         n = b - a + 1
         # other-range answers with the range just before the one asked for, of the same length.
         key = path.split("?", 1)[0]
+        if self.fault == "lost-commit" and key.endswith("/olmo_chunks.manifest"):
+            if method == "PUT" and self.take(True):
+                await self.upstream(start, headers, body)
+                self.injected(b"", False)
+                await asyncio.sleep(3600)  # the answer never comes
+            if method == "GET":
+                await asyncio.sleep(1.3)
         wanted = ".olmo_chunks.clock-" in key if self.fault == "vanished" else key.endswith(".bin")
         applies = wanted and method == self.method and (
             self.fault != "other-range" or (m is not None and a >= n > 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -429,6 +430,11 @@ def test_errors_cross_to_other_ranks_as_themselves_only_where_their_message_make
 @pytest.mark.parametrize(("var", "value"), [
     ("AWS_ENDPOINT_URL", "http://127.0.0.1:9 "),  # a trailing blank was a panic of the HTTP client
     ("AWS_ENDPOINT_URL", "not a url"),
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:99999"),  # a bad port, or no host, was a panic of the HTTP client
+    ("AWS_ENDPOINT_URL", "http://[::1"),
+    ("AWS_ENDPOINT_URL", "http://"),
+    ("AWS_ENDPOINT_URL_S3", "not a url"),  # the client's endpoint when set, ahead of AWS_ENDPOINT_URL
+    ("AWS_ENDPOINT_URL_S3", "http://h ost:1"),
     ("OLMO_CHUNKS_RETRY_TIMEOUT", "30s"),  # was silently 120 s
     ("OLMO_CHUNKS_RETRY_TIMEOUT", "0"),
 ])
@@ -437,20 +443,21 @@ def test_bad_object_store_settings_are_invalid_arguments(monkeypatch, var: str, 
 
     monkeypatch.setenv(var, value)
     bucket = f"never-{uuid.uuid4().hex[:12]}"  # a bucket this process has no client for yet
-    with pytest.raises(InvalidArgumentError, match=f'{var}="{value}"'):
+    with pytest.raises(InvalidArgumentError, match=re.escape(f'{var}="{value}"')):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/x")
 
 
 @pytest.mark.parametrize("allow", [None, "false", "maybe"])
-def test_plain_http_endpoint_without_allow_http_names_the_variable(monkeypatch, allow: str | None):
+@pytest.mark.parametrize("var", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_plain_http_endpoint_without_allow_http_names_the_variable(monkeypatch, allow: str | None, var: str):
     import uuid
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv(var, "http://127.0.0.1:9")
     if allow is None:
         monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
     else:
         monkeypatch.setenv("AWS_ALLOW_HTTP", allow)
     said = "is not set" if allow is None else f'is "{allow}"'
-    want = rf"plain HTTP; set AWS_ALLOW_HTTP=true to use it \(AWS_ALLOW_HTTP {said}\)"
+    want = rf"\({var}\) is plain HTTP; set AWS_ALLOW_HTTP=true to use it \(AWS_ALLOW_HTTP {said}\)"
     with pytest.raises(InvalidArgumentError, match=want):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://never-{uuid.uuid4().hex[:12]}/x")  # was "builder error"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from olmo_chunks import _core
 from olmo_chunks.errors import (
     CheckpointExistsError,
     CheckpointLockedError,
+    CheckpointNotFoundError,
     ChecksumError,
     CorruptManifestError,
     InvalidArgumentError,
@@ -211,16 +213,20 @@ def test_an_odd_prefix_names_the_keys_as_written(s3, bucket, tmp_path, prefix, e
 
 
 @pytest.mark.parametrize(("prefix", "encoded"), ODD_PREFIXES)
-def test_a_checkpoint_an_earlier_release_saved_at_an_encoded_prefix_is_found_and_saved_again_there(
+def test_a_checkpoint_an_earlier_release_saved_at_an_encoded_prefix_is_pointed_to_not_read_unasked(
         s3, bucket, tmp_path, prefix, encoded):
+    # Read unasked, it would be another run's whenever one was saved at the encoded name as written.
     client = s3.client()
     olmo_chunks.save(_state(1, 1000), tmp_path / "local")
     _upload_dir(client, bucket, tmp_path / "local", encoded)
     url = f"s3://{bucket}/{prefix}"
-    assert load_one(url) == 1
-    olmo_chunks.save(_state(2, 1000), url, overwrite=True)
-    assert load_one(url) == 2
-    assert all(k.startswith(f"{encoded}/") for k in s3.keys(bucket)), s3.keys(bucket)
+    with pytest.raises(CheckpointNotFoundError, match=re.escape(
+            f"a checkpoint lies at s3://{bucket}/{encoded}, where releases before 2026-12-07 saved one named {url} "
+            "(they percent-encoded its prefix): load it from there, or move it here")):
+        load_one(url)
+    assert load_one(f"s3://{bucket}/{encoded}") == 1
+    olmo_chunks.save(_state(2, 1000), url)  # a checkpoint of its own, at the prefix as written
+    assert load_one(url) == 2 and load_one(f"s3://{bucket}/{encoded}") == 1
     with pytest.raises(InvalidArgumentError, match="control characters are not allowed"):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/a\tb")
 
@@ -486,6 +492,23 @@ def test_a_save_fails_within_about_one_retry_budget_of_its_server_dying(monkeypa
         server.close()
     print(f"\nserver killed mid-save, budget 10 s: the save failed {took:.1f} s later")
     assert took < 10 + 5 * 1 + 2
+
+
+def test_a_commit_whose_answer_is_lost_keeps_the_committed_checkpoint_whole(s3, bucket):
+    # The manifest PUT lands but its answer never comes (it fails after the 3 s budget); the check
+    # "did it commit?" that follows was cut at 1 s after that failure, so the save took the check's
+    # failure for "no" and deleted the data of the manifest it had committed: nothing loaded.
+    url = f"s3://{bucket}/lost"
+    olmo_chunks.save(_state(1, 1000), url)
+    proxy = FaultProxy(s3.port, "lost-commit", "PUT", 1)
+    try:
+        (outcome,) = world.run(1, in_env, s3.env(proxy.port, OLMO_CHUNKS_RETRY_TIMEOUT="3"), save_and_report, url, 2,
+                               1000)
+    finally:
+        assert proxy.close() == 1
+    assert outcome.startswith("StorageError"), outcome  # the save cannot know it committed
+    assert load_one(url) == 2
+    assert not [k for k in s3.keys(bucket) if k.endswith(".olmo_chunks.lease")]  # released
 
 
 # Each fault through the proxy (tests/fault_proxy.py), and the outcome it gets: retried, then the

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::manifest::{Manifest, MANIFEST_NAME};
 use crate::object::{is_url, ObjectStorage};
 use crate::storage::{LocalFs, Storage};
@@ -36,11 +36,33 @@ pub fn open_checkpoint(location: &str) -> Result<(Manifest, Arc<dyn Storage>)> {
 pub fn checkpoint_bytes(location: &str) -> Result<(Vec<u8>, Arc<dyn Storage>)> {
     let storage = storage_at(location)?;
     let bytes = if is_url(location) {
-        Manifest::get_from(&*storage)?
+        Manifest::get_from(&*storage).map_err(|e| point_to_encoded(location, e))?
     } else {
         Manifest::read_bytes(Path::new(location))?
     };
     Ok((bytes, storage))
+}
+
+/// `e`, or where no checkpoint is at the URL `location` but one is at the prefix an earlier
+/// release would have saved it at ([`ObjectStorage::encoded_url`]), an error that says where: it
+/// is not read from there unasked, for a checkpoint saved at that prefix as written is another.
+fn point_to_encoded(location: &str, e: CoreError) -> CoreError {
+    let CoreError::NotACheckpoint { path, reason } = e else {
+        return e;
+    };
+    let there = ObjectStorage::open(location)
+        .ok()
+        .and_then(|s| s.encoded_url())
+        .filter(|url| ObjectStorage::open(url).is_ok_and(|s| Manifest::get_from(&s).is_ok()));
+    let reason = match there {
+        Some(url) => format!(
+            "{reason}; a checkpoint lies at {url}, where releases before 2026-12-07 saved one \
+             named {location} (they percent-encoded its prefix): load it from there, or move it \
+             here"
+        ),
+        None => reason,
+    };
+    CoreError::NotACheckpoint { path, reason }
 }
 
 /// Begins a save to `location` (see [`SaveTxn::begin`] and [`SaveTxn::begin_on`]).

@@ -337,8 +337,12 @@ impl SaveTxn {
             }
             Err(e) => {
                 // A failure after the manifest became visible (a directory fsync, a lost
-                // response) must not take its data away.
-                self.finished = self.is_committed();
+                // response) must not take its data away; nor one whose outcome the check cannot
+                // tell (it failed too): the next save removes the data if it is not live.
+                if !matches!(self.committed(), Ok(false)) {
+                    self.finished = true;
+                    self.release();
+                }
                 return Err(e);
             }
         }
@@ -380,8 +384,14 @@ impl SaveTxn {
         self.release();
     }
 
-    fn is_committed(&self) -> bool {
-        Manifest::open_from(&*self.storage).is_ok_and(|m| m.save_id == self.save_id)
+    /// Whether this save's manifest is the one committed, asked with the full retry budget (an
+    /// object store's recent failure cuts other requests short: `object::with_full_budget`).
+    fn committed(&self) -> Result<bool> {
+        match crate::object::with_full_budget(|| Manifest::open_from(&*self.storage)) {
+            Ok(m) => Ok(m.save_id == self.save_id),
+            Err(CoreError::NotACheckpoint { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     fn holds_lease(&self) -> Result<bool> {

@@ -46,24 +46,42 @@ impl Breaker {
         }
     }
 
-    /// The deadline of a request begun now: `None` for the client's own (the budget).
+    /// The deadline of a request begun now: `None` for the client's own (the budget), as inside
+    /// [`with_full_budget`].
     pub(super) fn deadline(&self) -> Option<Duration> {
+        if FULL_BUDGET.get() {
+            return None;
+        }
         let failed = *self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
         failed
             .filter(|t| t.elapsed() < self.budget)
             .map(|_| AFTER_FAILURE.min(self.budget))
     }
 
-    /// Notes how a request begun at `start` ended. A failure counts if it took a second or half
-    /// the budget: retries ran (a refusal, a 404, a failed condition are immediate).
-    pub(super) fn record(&self, start: Instant, ok: bool) {
-        let mut failed = self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
+    /// Notes how a request begun at `start` ended: `ok`, or whether the server `failed` (not an
+    /// answer such as a 404, however slow). A failure counts if it took a second or half the
+    /// budget: retries ran out (a refused connection with retries left is retried, not failed).
+    pub(super) fn record(&self, start: Instant, failed: bool, ok: bool) {
+        let mut failed_at = self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
         if ok {
-            *failed = None;
-        } else if start.elapsed() >= (self.budget / 2).min(Duration::from_secs(1)) {
-            *failed = Some(Instant::now());
+            *failed_at = None;
+        } else if failed && start.elapsed() >= (self.budget / 2).min(Duration::from_secs(1)) {
+            *failed_at = Some(Instant::now());
         }
     }
+}
+
+thread_local! {
+    static FULL_BUDGET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with each request this thread makes given its full budget, whatever failed before:
+/// for a request whose answer decides what is kept (did the manifest commit?), never cut short.
+pub(crate) fn with_full_budget<T>(f: impl FnOnce() -> T) -> T {
+    let before = FULL_BUDGET.replace(true);
+    let out = f();
+    FULL_BUDGET.set(before);
+    out
 }
 
 /// The tokio runtime that drives the clients, and the clients by bucket URL. Both belong to one
@@ -120,33 +138,48 @@ pub(super) fn retry_budget() -> Result<Duration> {
         })
 }
 
-/// Refuses an endpoint the client would only reject when it sends a request (with a panic of
-/// its HTTP library): one that is not an http(s) URL, or holds blanks or control characters.
-fn check_endpoints() -> Result<()> {
-    for var in ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"] {
-        if let Ok(v) = std::env::var(var) {
-            let scheme = v.starts_with("http://") || v.starts_with("https://");
-            if !scheme || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
-                return Err(CoreError::InvalidArgument(format!(
-                    "{var}={v:?} is not a valid URL (http://host:port or https://...)"
-                )));
-            }
+/// Refuses an endpoint the client would only reject when it sends a request, with a panic of its
+/// HTTP library or "HTTP error: builder error": one that is not an http(s) URL with a host (a
+/// blank, a bad port), or an `http://` one without `AWS_ALLOW_HTTP=true`. The endpoint is the one
+/// the client uses: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`).
+fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
+    let value = |key| builder.get_config_value(&key).filter(|v| !v.is_empty());
+    let (var, endpoint) = match (
+        value(AmazonS3ConfigKey::S3Endpoint),
+        value(AmazonS3ConfigKey::Endpoint),
+    ) {
+        (Some(v), _) => ("AWS_ENDPOINT_URL_S3", v),
+        (None, Some(v)) => {
+            let set = |var| std::env::var(var).is_ok_and(|x| x == v);
+            (
+                if set("AWS_ENDPOINT") && !set("AWS_ENDPOINT_URL") {
+                    "AWS_ENDPOINT"
+                } else {
+                    "AWS_ENDPOINT_URL"
+                },
+                v,
+            )
         }
-    }
-    Ok(())
-}
-
-/// Refuses an `http://` endpoint without `AWS_ALLOW_HTTP=true`, naming the variable: the client
-/// would fail each request with "HTTP error: builder error".
-fn refuse_plain_http(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
-    let value = |key| builder.get_config_value(&key).unwrap_or_default();
-    let endpoint = value(AmazonS3ConfigKey::Endpoint);
-    let allowed = value(AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp)).to_ascii_lowercase();
-    if endpoint.starts_with("http://")
-        && !matches!(allowed.as_str(), "1" | "true" | "on" | "yes" | "y")
-    {
+        (None, None) => return Ok(()),
+    };
+    let parsed = url::Url::parse(&endpoint).ok().filter(|u| {
+        matches!(u.scheme(), "http" | "https")
+            && u.host_str().is_some_and(|h| !h.is_empty())
+            && !endpoint
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+    });
+    let Some(parsed) = parsed else {
         return Err(CoreError::InvalidArgument(format!(
-            "the S3 endpoint {endpoint:?} is plain HTTP; set AWS_ALLOW_HTTP=true to use it ({})",
+            "{var}={endpoint:?} is not a valid URL (http://host:port or https://...)"
+        )));
+    };
+    let allowed = value(AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    if parsed.scheme() == "http" && !matches!(allowed.as_str(), "1" | "true" | "on" | "yes" | "y") {
+        return Err(CoreError::InvalidArgument(format!(
+            "the S3 endpoint {endpoint:?} ({var}) is plain HTTP; set AWS_ALLOW_HTTP=true to use it ({})",
             match std::env::var("AWS_ALLOW_HTTP") {
                 Ok(v) => format!("AWS_ALLOW_HTTP is {v:?}"),
                 Err(_) => "AWS_ALLOW_HTTP is not set".into(),
@@ -236,14 +269,13 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
                 breaker: Breaker::new(budget),
             }
         } else {
-            check_endpoints()?;
             let mut builder = object_store::aws::AmazonS3Builder::from_env()
                 .with_bucket_name(bucket)
                 .with_retry(retry_config(budget));
             for (key, value) in deadlines(budget) {
                 builder = builder.with_config(AmazonS3ConfigKey::Client(key), value);
             }
-            refuse_plain_http(&builder)?;
+            check_endpoint(&builder)?;
             let s3 = Arc::new(builder.build().map_err(bad)?);
             Bucket {
                 store: s3.clone(),
@@ -273,14 +305,18 @@ mod tests {
         let b = Breaker::new(Duration::from_secs(10));
         let ago = |s: u64| Instant::now() - Duration::from_secs(s);
         assert_eq!(b.deadline(), None);
-        b.record(Instant::now(), false); // refused at once: no retries ran
+        b.record(Instant::now(), true, false); // refused at once: no retries ran
         assert_eq!(b.deadline(), None);
-        b.record(ago(3), false); // its retries ran out
+        b.record(ago(3), false, false); // a slow answer (a 404): the server did not fail
+        assert_eq!(b.deadline(), None);
+        b.record(ago(3), true, false); // its retries ran out
         assert_eq!(b.deadline(), Some(AFTER_FAILURE));
-        b.record(ago(3), true);
+        assert_eq!(with_full_budget(|| b.deadline()), None);
+        assert_eq!(b.deadline(), Some(AFTER_FAILURE));
+        b.record(ago(3), false, true);
         assert_eq!(b.deadline(), None);
         let small = Breaker::new(Duration::from_millis(300));
-        small.record(ago(1), false);
+        small.record(ago(1), true, false);
         assert_eq!(small.deadline(), Some(Duration::from_millis(300))); // never more than the budget
         std::thread::sleep(Duration::from_millis(310));
         assert_eq!(small.deadline(), None); // a budget after the failure

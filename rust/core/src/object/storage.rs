@@ -17,11 +17,10 @@ use super::client::{bucket_for, retry_budget, runtime, split_url, Breaker, Bucke
 use super::transfer::{RemoteReader, RemoteWriter};
 use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
 use crate::error::{CoreError, Result};
-use crate::manifest::MANIFEST_NAME;
 use crate::storage::{
     Entry, Head, HeadCheck, IoCounters, Object, PutIf, ReadMerge, Storage, Version,
 };
-use crate::txn::{CLOCK_PREFIX, LEASE_NAME, MAX_LEASE_LEN, UPLOAD_SUFFIX};
+use crate::txn::{CLOCK_PREFIX, MAX_LEASE_LEN, UPLOAD_SUFFIX};
 
 /// Clock probes written before [`ObjectStorage::clock`] gives up on probes that vanish.
 const CLOCK_TRIES: u32 = 3;
@@ -61,9 +60,12 @@ pub(super) fn to_io(e: object_store::Error) -> std::io::Error {
     std::io::Error::new(io_kind(&e), e)
 }
 
-/// The error of a request cut short by the [`Breaker`].
+/// The errors of requests: which say the server failed (a transport error or a 5xx, once the
+/// retries ran out, as against an answer such as a 404 or a failed condition), and the error of
+/// one the [`Breaker`] cut short.
 pub(super) trait Unanswered {
     fn unanswered(after: Duration) -> Self;
+    fn server_failed(&self) -> bool;
 }
 
 fn unanswered_io(after: Duration) -> std::io::Error {
@@ -80,6 +82,26 @@ impl Unanswered for std::io::Error {
     fn unanswered(after: Duration) -> Self {
         unanswered_io(after)
     }
+
+    fn server_failed(&self) -> bool {
+        use std::io::ErrorKind as K;
+        let inner = self
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<object_store::Error>());
+        if let Some(e) = inner {
+            return e.server_failed(); // (`to_io`)
+        }
+        matches!(
+            self.kind(),
+            K::Other
+                | K::TimedOut
+                | K::ConnectionRefused
+                | K::ConnectionReset
+                | K::ConnectionAborted
+                | K::NotConnected
+                | K::BrokenPipe
+        )
+    }
 }
 
 impl Unanswered for object_store::Error {
@@ -89,24 +111,28 @@ impl Unanswered for object_store::Error {
             source: Box::new(unanswered_io(after)),
         }
     }
+
+    fn server_failed(&self) -> bool {
+        matches!(self, object_store::Error::Generic { .. })
+    }
 }
 
 impl Unanswered for CoreError {
     fn unanswered(after: Duration) -> Self {
         CoreError::io("object store", unanswered_io(after))
     }
+
+    fn server_failed(&self) -> bool {
+        matches!(self, CoreError::Io { source, .. } if source.server_failed())
+    }
 }
 
 impl ObjectStorage {
-    /// The storage at `url` (`s3://bucket/prefix` or `gs://bucket/prefix`).
-    ///
-    /// Its objects lie at the keys the prefix names, as written. Earlier releases percent-encoded
-    /// some characters of a prefix (`~`, `*`, `#`, `%`, non-ASCII, ...: object_store's
-    /// `Path::from`); a checkpoint they saved is found where it is, and saved again there, while
-    /// the prefix itself holds no save (up to four more requests, for such prefixes only).
+    /// The storage at `url` (`s3://bucket/prefix` or `gs://bucket/prefix`). Its objects lie at
+    /// the keys the prefix names, as written.
     pub fn open(url: &str) -> Result<Self> {
         let (scheme, bucket, prefix) = split_url(url)?;
-        let mut s = ObjectStorage {
+        Ok(ObjectStorage {
             bucket: bucket_for(&scheme, &bucket)?,
             runtime: runtime()?,
             url: format!("{scheme}://{bucket}/{prefix}")
@@ -115,20 +141,18 @@ impl ObjectStorage {
             prefix,
             part_size: PART_SIZE,
             merge: read_merge()?,
-        };
-        let encoded = ObjectPath::from(s.prefix.as_str()).to_string();
-        if encoded != s.prefix && !s.holds_a_save()? {
-            let raw = std::mem::replace(&mut s.prefix, encoded);
-            if !s.holds_a_save()? {
-                s.prefix = raw;
-            }
-        }
-        Ok(s)
+        })
     }
 
-    /// Whether a save was committed, or is being made, at the prefix.
-    fn holds_a_save(&self) -> Result<bool> {
-        Ok(self.head(MANIFEST_NAME)?.is_some() || self.head(LEASE_NAME)?.is_some())
+    /// The URL of the prefix where releases before 2026-12-07 saved this one's checkpoint: they
+    /// percent-encoded some characters of a prefix (`~`, `*`, `#`, `%`, non-ASCII, ...: the
+    /// encoding of object_store's `Path::from`). `None` where that is the prefix itself.
+    pub fn encoded_url(&self) -> Option<String> {
+        let encoded = ObjectPath::from(self.prefix.as_str()).to_string();
+        (encoded != self.prefix).then(|| {
+            let base = &self.url[..self.url.len() - self.prefix.len()];
+            format!("{base}{encoded}")
+        })
     }
 
     /// A prefix of a fresh in-memory store (which takes parts of any size), uploading in `part`
@@ -175,12 +199,19 @@ impl ObjectStorage {
         let start = Instant::now();
         let out = match breaker.deadline() {
             None => self.runtime.block_on(fut),
-            Some(d) => self
+            Some(d) => match self
                 .runtime
                 .block_on(async { tokio::time::timeout(d, fut).await })
-                .unwrap_or_else(|_| Err(E::unanswered(d))),
+            {
+                Ok(out) => out,
+                Err(_) => return Err(E::unanswered(d)), // not a failure of its own
+            },
         };
-        breaker.record(start, out.is_ok());
+        breaker.record(
+            start,
+            out.as_ref().map_or_else(E::server_failed, |_| false),
+            out.is_ok(),
+        );
         out
     }
 
@@ -639,5 +670,44 @@ impl Storage for ObjectStorage {
     /// A PUT of the same bytes conditional on `version` (an object's time cannot be set).
     fn touch_if(&self, rel: &str, bytes: &[u8], version: &Version) -> Result<Option<Version>> {
         self.put(rel, bytes, Self::mode(PutIf::Version(version)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_servers_failure_counts_for_the_breaker_never_its_answers() {
+        let path = "k".to_string();
+        let source = || -> Box<dyn std::error::Error + Send + Sync> { "x".into() };
+        let answers = [
+            object_store::Error::NotFound {
+                path: path.clone(),
+                source: source(),
+            },
+            object_store::Error::Precondition {
+                path: path.clone(),
+                source: source(),
+            },
+            object_store::Error::AlreadyExists {
+                path,
+                source: source(),
+            },
+        ];
+        for e in answers {
+            assert!(!e.server_failed(), "{e}");
+            let core = CoreError::io("k", to_io(e));
+            assert!(!core.server_failed(), "{core}");
+        }
+        let failed = object_store::Error::Generic {
+            store: "S3",
+            source: source(),
+        };
+        assert!(failed.server_failed());
+        assert!(CoreError::io("k", to_io(failed)).server_failed());
+        assert!(!CoreError::InvalidArgument("x".into()).server_failed());
+        let timed_out = std::io::Error::unanswered(Duration::from_secs(1));
+        assert!(timed_out.server_failed()); // (a cut request is not recorded: see block_on)
     }
 }
