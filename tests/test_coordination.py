@@ -283,39 +283,47 @@ def test_each_call_keeps_its_own_peer_timeout(tmp_path, what):
         assert holds(path, 3, 2)
 
 
-def _frozen_host(rank: int, path: str) -> str:
+def _frozen_host(rank: int, path: str, where: str) -> str:
     import subprocess
 
     from olmo_chunks.session import SaveSession
 
+    def freeze() -> None:  # a timer resumes it
+        subprocess.Popen(["sh", "-c", f"sleep {PEER_TIMEOUT + 3}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+
     olmo_chunks.save(full_state(rank, 2, 1), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
-    if rank == 0:  # the store's host freezes in its write, and a timer resumes it
-        orig = SaveSession.write
-
-        def frozen(*args: Any, **kwargs: Any) -> Any:
-            subprocess.Popen(["sh", "-c", f"sleep {PEER_TIMEOUT + 3}; kill -CONT {os.getpid()}"])
-            os.kill(os.getpid(), signal.SIGSTOP)
-            return orig(*args, **kwargs)
-
-        SaveSession.write = frozen  # type: ignore[method-assign]
+    if where == "between":  # nobody waits for it meanwhile: no reason to fail the next save
+        if rank == 0:
+            freeze()
+        torch.distributed.barrier()
+    elif rank == 0:  # the store's host freezes in its write, or in the commit after the last check
+        orig = getattr(SaveSession, where)
+        setattr(SaveSession, where, lambda *args, **kwargs: (freeze(), orig(*args, **kwargs))[1])
     try:
         olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
     finally:
-        if rank == 1:
+        if rank == 1 and where != "between":
             time.sleep(PEER_TIMEOUT + 8)  # alive, and never calling again: a job that moved on
     return "saved"
 
 
-def test_a_store_host_frozen_past_peer_timeout_does_not_commit_what_the_others_reported_failed(tmp_path):
+@pytest.mark.parametrize("where", ["write", "commit", "between"])
+def test_a_store_host_frozen_past_peer_timeout_does_not_commit_what_the_others_reported_failed(tmp_path, where):
     # Rank 1 gave up on the frozen host ("the store it hosts is gone") and went on; the host,
-    # resumed, committed the save all the same and returned success.
+    # resumed, committed the save all the same and returned success. A freeze between two
+    # operations fails neither.
     path = str(tmp_path / "ckpt")
-    results = run_raw(2, _frozen_host, path, timeout=60)
+    results = run_raw(2, _frozen_host, path, where, timeout=60)
+    if where == "between":
+        assert [r[:2] for r in results] == [("ok", "saved")] * 2, results  # type: ignore[index]
+        assert holds(path, 2, 2)
+        return
     (status0, msg0, _), (status1, msg1, _) = results  # type: ignore[misc]
     assert status1 == "err" and "rank 0 died or stopped responding" in msg1, results
     assert status0 == "err" and msg0.startswith("RankFailedError: rank 0 went silent for ") and (
         f"long enough for the other ranks to give up on it (peer_timeout={PEER_TIMEOUT:g} s)" in msg0), results
-    print(f"frozen host: {msg0[:120]}")
+    print(f"host frozen in its {where}: {msg0[:120]}")
     assert holds(path, 1, 2)
 
 

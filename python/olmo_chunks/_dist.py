@@ -14,7 +14,7 @@ a process group. A rank that has never beaten is "not arrived yet" and is waited
 arrival timeout (the process group's timeout, as a collective would); one that beat and went silent
 for `peer_timeout` seconds (and for two of its beats, whose interval each process writes beside its
 heartbeat) is dead. Either way every survivor raises `RankFailedError` naming it. The root judges itself by the
-same measure (`Group._check_awake`): silent long enough that the others may have given up on it,
+same measure (`Group.check_awake`): silent long enough that the others may have given up on it,
 it fails the operation rather than commit a save they reported failed. A
 rank whose work fails (any `BaseException`, `KeyboardInterrupt` included) tells the root, which
 tells everyone; work that fails between steps (a load's reads) fails the next step, which the
@@ -163,8 +163,8 @@ class _PyHeartbeat:
         self.interval = interval
         self.stopped = threading.Event()
         store.add(key, 1)
-        self.last = time.monotonic()
-        self.long: list[tuple[float, float]] = []  # (end, length) of the silences of over two beats
+        self.last, self.every = time.monotonic(), interval
+        self.long: list[tuple[float, float]] = []  # as `Silences::long` of the core
 
         def beat() -> None:
             while not self.stopped.wait(self.interval):
@@ -172,10 +172,12 @@ class _PyHeartbeat:
                     store.add(key, 1)
                 except Exception:  # the store is gone: the job is ending
                     return
-                now = time.monotonic()
-                if now - self.last > 2 * self.interval:
-                    self.long = [*self.long[-15:], (now, now - self.last)]
-                self.last = now
+                now, interval = time.monotonic(), self.interval
+                gap, allowed = now - self.last, 2 * max(self.every, interval)
+                self.last, self.every = now, interval
+                if gap > allowed:
+                    kept = [(end, g) for end, g in self.long if g > gap]
+                    self.long = [*kept[:15], (now, gap)]
 
         threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True).start()
 
@@ -185,7 +187,9 @@ class _PyHeartbeat:
     def longest_silence(self, within: float) -> float:
         """As `_core.Heartbeat.longest_silence`."""
         now = time.monotonic()
-        return max([now - self.last] + [gap for end, gap in self.long if now - end <= within])
+        since = now - within
+        going_on = [(now, now - self.last)] if now - self.last > 2 * self.every else []
+        return max([0.0] + [end - max(end - gap, since) for end, gap in [*self.long, *going_on] if end > since])
 
     def stop(self) -> None:
         self.stopped.set()
@@ -254,9 +258,6 @@ _calls_lock = threading.Lock()
 # Abort notes this process could not leave when it lost the store: `(prefix, note)`, left by its
 # next operation, so that a store host that was only paused stops waiting for it in the old one.
 _untold: list[tuple[str, bytes]] = []
-# When this process last left an operation (`time.monotonic()`): its silences since count against
-# the next (`Group._check_awake`).
-_left_at = 0.0
 
 
 def _process_link(peer_timeout: float) -> _Link:
@@ -395,7 +396,7 @@ class Group:
             call = _calls[name] = _calls.get(name, 0) + 1
         self.prefix = f"olmo_chunks/{name}/{call}"
         self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
-        self.since = _left_at
+        self.since = time.monotonic()
         try:
             self.link: _Link | None = _process_link(peer_timeout)
             self.store: Any = self.link.client(peer_timeout)
@@ -531,7 +532,7 @@ class Group:
         results: list[Any] = [mine] + [None] * (self.size - 1)
         try:
             arrived = self._arrivals(key, everyone=False)
-            self._check_awake()
+            self.check_awake()
             failed = sorted(r for r, (status, *_) in arrived.items() if status == "fail")
             if failed:
                 r = failed[0]
@@ -607,7 +608,7 @@ class Group:
 
         def poll() -> bool:
             self._check_abort()
-            self._check_awake()
+            self.check_awake()
             arrived = _frames(self.store.get(inbox)) if self.store.check([inbox]) else {}
             # Every message in, though not every count: a peer died between its two calls.
             if len(arrived) == self.size - 1 or (not everyone and any(s == "fail" for s, *_ in arrived.values())):
@@ -637,17 +638,20 @@ class Group:
     def _publish(self, key: str, outcome: tuple[str, Any]) -> None:
         self.store.set(f"{key}/out", pickle.dumps(outcome))
 
-    def _check_awake(self) -> None:
-        """Rank 0: raises `RankFailedError` if this process went silent in this operation (or since
-        the last one ended) long enough that the others may have given up on it: it was frozen
-        (SIGSTOP, a paused VM) or cut off from the store. Those that gave up raised, and may never
-        call again: going on, it would commit a save they reported failed, or wait for them."""
-        if self.link is None or self.rank != 0:
+    def check_awake(self) -> None:
+        """Rank 0: raises `RankFailedError` if this process went silent in this operation long
+        enough that the others may have given up on it: it was frozen (SIGSTOP, a paused VM) or cut
+        off from the store. Those that gave up raised, and may never call again: going on, it would
+        commit a save they reported failed, or wait for them. Called while it waits, before each
+        step's decision and by a save right before its commit. (A freeze before the operation,
+        while the others waited in its first step, is not counted: that rank 0 waits in the next
+        step for those that left, until they call again, exit, or the arrival timeout.)"""
+        if self.size == 1 or self.link is None or self.rank != 0:
             return
         silent = self.link.heartbeat.longest_silence(time.monotonic() - self.since)
         if silent >= self.peer_timeout - self.poll_interval:
             raise RankFailedError(
-                f"rank 0 went silent for {silent:.1f} s in or just before this {self.op} (frozen, or cut off from "
+                f"rank 0 went silent for {silent:.1f} s in this {self.op} (frozen, or cut off from "
                 f"the store), long enough for the other ranks to give up on it (peer_timeout={self.peer_timeout:g} "
                 "s); so it stops too, rather than go on without them (a save commits nothing)", rank=0)
 
@@ -715,8 +719,6 @@ class Group:
         if self.size == 1 or self.closed:
             return
         self.closed = True
-        global _left_at
-        _left_at = time.monotonic()
         acks, done = f"{self.prefix}/closed", f"{self.prefix}/closed/all"
         with contextlib.suppress(Exception):
             if self.rank != 0:
@@ -766,7 +768,7 @@ class Group:
                 except RuntimeError as exc:  # a peer's connection closed
                     self._culprit(exc, watch)
                 self._check_abort()
-                self._check_awake()
+                self.check_awake()
                 self._watch_collective(watch, what)
         except RankFailedError as exc:
             self._note_dead(exc)

@@ -265,7 +265,8 @@ class SaveSteps:
         def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
             self.nbytes = sum(c.nbytes for written in all_written for c in written)
             info = {"writer": "olmo_chunks", "world_size": self.group.size, **(self.info or {})}
-            self.session.commit(self._plan["schema"], itertools.chain(*all_written), self._plan["entries"], info)
+            self.session.commit(self._plan["schema"], itertools.chain(*all_written), self._plan["entries"], info,
+                                ready=self.group.check_awake)
 
         try:
             self.group.exchange(write, commit)

@@ -16,7 +16,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -192,20 +192,23 @@ class SaveSession:
         return out
 
     def commit(self, schema: Mapping[str, tuple[Any, ...]], chunks: Iterable[_core.WrittenChunk],
-               entries: Mapping[str, Any], info: Mapping[str, Any]) -> _core.Manifest:
+               entries: Mapping[str, Any], info: Mapping[str, Any],
+               ready: Callable[[], None] | None = None) -> _core.Manifest:
         """Commits the save (the coordinator): `schema` maps every key to `(dtype, shape, role)`,
         `chunks` is what every rank wrote, `entries` the encoded plain values, `info` free-form
         information (creation time and torch version are added). The core assembles, checks and
-        commits the manifest."""
+        commits the manifest, once `ready()` (the last word before it) did not raise."""
         if self.txn is None:
             raise InvalidArgumentError("no save was begun on this rank (only the coordinator commits)")
         meta_info = {"created_unix": time.time(), "torch": torch.__version__, **info}
+        encoded = (json.dumps(entries, allow_nan=False), json.dumps(values.encode(meta_info, "info"), allow_nan=False))
+        if ready is not None:
+            ready()
         return self.txn.commit(
             self.block_size,
             [_core.TensorSchema(key, *schema[key]) for key in schema],
             list(chunks),
-            json.dumps(entries, allow_nan=False),
-            json.dumps(values.encode(meta_info, "info"), allow_nan=False),
+            *encoded,
         )
 
     def abort(self) -> None:

@@ -325,36 +325,55 @@ struct Shared {
 
 /// The gaps between this process's beats as its peers see them: how long it was silent.
 struct Silences {
-    /// When the last beat landed.
+    /// When the last beat landed, and the interval it was sent under.
     last: Instant,
-    /// The longest recent gaps, `(when it ended, how long)`, at most [`SILENCES_KEPT`].
+    every: Duration,
+    /// Gaps of more than two beats, `(when it ended, how long)`, oldest first and each shorter
+    /// than the one before: a gap no longer than a later one never tells a window more than that
+    /// one (windows end now), so it is dropped. At most [`SILENCES_KEPT`].
     long: std::collections::VecDeque<(Instant, Duration)>,
 }
 
-/// How many long silences a heartbeat remembers (those of more than two beats).
 const SILENCES_KEPT: usize = 16;
 
 impl Silences {
+    /// A beat landed, sent under `interval`. A gap counts if it was over two beats of both the
+    /// interval it followed and this one: a beat overdue because the interval just shrank (a
+    /// call with a shorter peer_timeout) is no silence.
     fn landed(&mut self, interval: Duration) {
         let now = Instant::now();
         let gap = now - self.last;
-        self.last = now;
-        if gap > 2 * interval {
+        let allowed = 2 * self.every.max(interval);
+        (self.last, self.every) = (now, interval);
+        if gap > allowed {
+            while self.long.back().is_some_and(|&(_, g)| g <= gap) {
+                self.long.pop_back();
+            }
             if self.long.len() == SILENCES_KEPT {
-                self.long.pop_front();
+                self.long.pop_back(); // the shortest: a longer and older one may still be in a window
             }
             self.long.push_back((now, gap));
         }
     }
 
-    fn longest(&self, within: Duration) -> Duration {
+    /// The longest silence in the window from `since` to now, counting only the part of each
+    /// gap (ended, or going on) inside it.
+    fn longest(&self, since: Option<Instant>) -> Duration {
         let now = Instant::now();
-        let recent = self
-            .long
+        let inside = |end: Instant, gap: Duration| match since {
+            Some(since) => end.saturating_duration_since((end - gap).max(since)),
+            None => gap,
+        };
+        let going_on = now - self.last;
+        let going_on = if going_on > 2 * self.every {
+            inside(now, going_on)
+        } else {
+            Duration::ZERO
+        };
+        self.long
             .iter()
-            .filter(|(end, _)| now.duration_since(*end) <= within)
-            .map(|(_, gap)| *gap);
-        recent.fold(now - self.last, Duration::max)
+            .map(|&(end, gap)| inside(end, gap))
+            .fold(going_on, Duration::max)
     }
 }
 
@@ -423,6 +442,7 @@ impl Heartbeat {
             beats: AtomicU64::new(1),
             silences: Mutex::new(Silences {
                 last: Instant::now(),
+                every: interval,
                 long: Default::default(),
             }),
         });
@@ -470,12 +490,14 @@ impl Heartbeat {
         self.shared.beats.load(Ordering::Relaxed)
     }
 
-    /// The longest this process went without a beat landing, of the silences that ended within
-    /// `within` or go on now: what its peers saw. A frozen process (SIGSTOP, a VM paused, a swap
-    /// storm) or a store that stopped answering it shows here; a GIL held by one long call does
-    /// not (the thread is native).
+    /// The longest this process went without a beat landing (over two beats) within the last
+    /// `within`: what its peers saw. A frozen process (SIGSTOP, a paused VM, a swap storm) or a
+    /// store that stopped answering it shows here; a GIL held by one long call does not (the
+    /// thread is native).
     pub fn longest_silence(&self, within: Duration) -> Duration {
-        self.shared.silences().longest(within)
+        self.shared
+            .silences()
+            .longest(Instant::now().checked_sub(within))
     }
 
     /// Stops the thread: no beat starts after this returns. Waits for the thread to end, at most
@@ -505,28 +527,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn silences_remember_the_long_gaps_between_beats_that_ended_within_the_window() {
-        let every = Duration::from_millis(10);
+    fn silences_count_gaps_of_over_two_beats_inside_the_window() {
+        let ms = Duration::from_millis;
+        let every = ms(10);
+        let start = Instant::now() - ms(2000);
         let mut s = Silences {
-            last: Instant::now() - Duration::from_millis(500), // a freeze of 0.5 s ends now
+            last: start,
+            every,
             long: Default::default(),
         };
+        // A freeze of about 2 s ends now: all of it counts in an open window, its last 0.5 s in
+        // one that began 0.5 s ago.
         s.landed(every);
-        let gap = s.longest(Duration::from_secs(60));
-        assert!(
-            gap >= Duration::from_millis(500) && gap < Duration::from_secs(5),
-            "{gap:?}"
-        );
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(s.longest(Duration::from_millis(5)) < Duration::from_millis(500)); // ended before
-        assert!(s.longest(Duration::from_millis(5)) >= Duration::from_millis(30)); // the one going on
-        s.landed(every); // a gap of 3 beats: kept too
-        for _ in 0..SILENCES_KEPT {
-            s.last -= Duration::from_millis(100);
+        let all = s.longest(None);
+        assert!(all >= ms(2000) && all < ms(2500), "{all:?}");
+        let part = s.longest(Some(Instant::now() - ms(500)));
+        assert!(part >= ms(490) && part <= ms(520), "{part:?}");
+        assert_eq!(s.longest(Some(Instant::now())), Duration::ZERO);
+        // Shorter gaps after it do not push it out.
+        for _ in 0..3 * SILENCES_KEPT {
+            s.last -= ms(100);
             s.landed(every);
         }
-        assert_eq!(s.long.len(), SILENCES_KEPT);
-        assert!(s.longest(Duration::from_secs(60)) < Duration::from_millis(500));
-        // the oldest went
+        assert!(s.long.len() <= SILENCES_KEPT, "{:?}", s.long);
+        assert!(s.longest(None) >= ms(2000));
+        // A beat overdue because the interval shrank is no silence.
+        s.every = ms(2000);
+        s.last -= ms(1900);
+        let before = s.long.len();
+        s.landed(ms(500));
+        assert_eq!(s.long.len(), before);
+        assert_eq!(s.every, ms(500));
+        // One going on counts once over two beats (of 500 ms now), from the window's start.
+        s.long.clear();
+        s.last = Instant::now() - ms(1500);
+        let going = s.longest(Some(Instant::now() - ms(1000)));
+        assert!(going >= ms(1000) && going < ms(1100), "{going:?}");
+        s.last = Instant::now() - ms(900);
+        assert_eq!(s.longest(None), Duration::ZERO);
     }
 }
