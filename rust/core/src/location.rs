@@ -53,7 +53,9 @@ fn point_to_encoded(location: &str, e: CoreError) -> CoreError {
     let there = ObjectStorage::open(location)
         .ok()
         .and_then(|s| s.encoded_url())
-        .filter(|url| ObjectStorage::open(url).is_ok_and(|s| Manifest::get_from(&s).is_ok()));
+        .filter(|url| {
+            ObjectStorage::open(url).is_ok_and(|s| matches!(s.head(MANIFEST_NAME), Ok(Some(_))))
+        });
     let reason = match there {
         Some(url) => format!(
             "{reason}; a checkpoint lies at {url}, where releases before 2026-12-07 saved one \
