@@ -177,7 +177,9 @@ class _PyHeartbeat:
                 self.last, self.every = now, interval
                 if gap > allowed:
                     kept = [(end, g) for end, g in self.long if g > gap]
-                    self.long = [*kept[:15], (now, gap)]
+                    if len(kept) == 64:
+                        gap = kept.pop()[1]
+                    self.long = [*kept, (now, gap)]
 
         threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True).start()
 
@@ -646,14 +648,20 @@ class Group:
         step's decision and by a save right before its commit. (A freeze before the operation,
         while the others waited in its first step, is not counted: that rank 0 waits in the next
         step for those that left, until they call again, exit, or the arrival timeout.)"""
-        if self.size == 1 or self.link is None or self.rank != 0:
-            return
-        silent = self.link.heartbeat.longest_silence(time.monotonic() - self.since)
-        if silent >= self.peer_timeout - self.poll_interval:
+        silent = self._silence()
+        if silent:
             raise RankFailedError(
                 f"rank 0 went silent for {silent:.1f} s in this {self.op} (frozen, or cut off from "
                 f"the store), long enough for the other ranks to give up on it (peer_timeout={self.peer_timeout:g} "
                 "s); so it stops too, rather than go on without them (a save commits nothing)", rank=0)
+
+    def _silence(self) -> float:
+        """Rank 0: its longest silence in this operation if the others may have given up on it for
+        it, else 0."""
+        if self.size == 1 or self.link is None or self.rank != 0:
+            return 0.0
+        silent = self.link.heartbeat.longest_silence(time.monotonic() - self.since)
+        return silent if silent >= self.peer_timeout - self.poll_interval else 0.0
 
     def _check_abort(self) -> None:
         note = f"{self.prefix}/abort"
@@ -730,12 +738,15 @@ class Group:
             live = [r for r in range(1, self.size) if r not in self.dead]
             watch = _Watch(self)
             # After a failure a peer may never get here (stuck in a framework's collective): wait
-            # for it no longer than for a silent peer.
+            # for it no longer than for a silent peer. So after a silence of this rank long enough
+            # for the others to give up reading the outcome: they never acknowledge it.
             deadline = time.monotonic() + (self.peer_timeout if failing else float("inf"))
             interval = self.poll_interval
             while not self.store.wait([done], interval):
                 if self.store.add(acks, 0) >= len(live) or time.monotonic() > deadline:
                     break
+                if deadline == float("inf") and self._silence():
+                    deadline = time.monotonic() + self.peer_timeout
                 self._check_abort()  # a peer that gave up on the store meanwhile, and came back
                 watch.check(live, "the end of the operation")
             self.store.delete([acks, done])

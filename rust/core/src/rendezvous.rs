@@ -330,11 +330,12 @@ struct Silences {
     every: Duration,
     /// Gaps of more than two beats, `(when it ended, how long)`, oldest first and each shorter
     /// than the one before: a gap no longer than a later one never tells a window more than that
-    /// one (windows end now), so it is dropped. At most [`SILENCES_KEPT`].
+    /// one (windows end now), so it is dropped. At most [`SILENCES_KEPT`]: beyond, the newest two
+    /// merge into one as long as the longer, which can only make a window's silence longer.
     long: std::collections::VecDeque<(Instant, Duration)>,
 }
 
-const SILENCES_KEPT: usize = 16;
+const SILENCES_KEPT: usize = 64;
 
 impl Silences {
     /// A beat landed, sent under `interval`. A gap counts if it was over two beats of both the
@@ -349,8 +350,9 @@ impl Silences {
             while self.long.back().is_some_and(|&(_, g)| g <= gap) {
                 self.long.pop_back();
             }
+            let mut gap = gap;
             if self.long.len() == SILENCES_KEPT {
-                self.long.pop_back(); // the shortest: a longer and older one may still be in a window
+                gap = self.long.pop_back().map_or(gap, |(_, longer)| longer);
             }
             self.long.push_back((now, gap));
         }
@@ -551,6 +553,16 @@ mod tests {
         }
         assert!(s.long.len() <= SILENCES_KEPT, "{:?}", s.long);
         assert!(s.longest(None) >= ms(2000));
+        // Gaps each a little shorter than the last, more than are kept: the longest is not lost.
+        s.long.clear();
+        s.last -= ms(3000);
+        s.landed(every);
+        for i in 0..2 * SILENCES_KEPT as u64 {
+            s.last -= ms(2000 - i);
+            s.landed(every);
+        }
+        assert_eq!(s.long.len(), SILENCES_KEPT);
+        assert!(s.longest(None) >= ms(3000));
         // A beat overdue because the interval shrank is no silence.
         s.every = ms(2000);
         s.last -= ms(1900);
