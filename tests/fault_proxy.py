@@ -11,7 +11,9 @@ the S3 server at 127.0.0.1:TARGET that answers the first COUNT METHOD requests f
 - `vanished`: a HEAD of a clock probe (`.olmo_chunks.clock-*`, not a data object) answered 404, as
   when another save's cleanup removed the probe between its PUT and its HEAD;
 - `lost-commit`: a PUT of the manifest (not a data object) forwarded, so the server commits it, and
-  never answered; every GET of the manifest then answered 1.3 s late.
+  never answered; every GET of the manifest then answered 1.3 s late;
+- `late-commit`: a PUT of the manifest held 4.5 s before it is forwarded (its client has given up
+  by then).
 
 Each request is forwarded on a fresh upstream connection; the client's connection is kept alive.
 It prints `faults N` on stdout after each fault it injects.
@@ -93,6 +95,10 @@ class Proxy:
                 await asyncio.sleep(3600)  # the answer never comes
             if method == "GET":
                 await asyncio.sleep(1.3)
+        manifest_put = key.endswith("/olmo_chunks.manifest") and method == "PUT"
+        if self.fault == "late-commit" and manifest_put and self.take(True):
+            await asyncio.sleep(4.5)
+            self.injected(b"", False)
         wanted = ".olmo_chunks.clock-" in key if self.fault == "vanished" else key.endswith(".bin")
         applies = wanted and method == self.method and (
             self.fault != "other-range" or (m is not None and a >= n > 0))

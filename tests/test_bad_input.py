@@ -435,6 +435,8 @@ def test_errors_cross_to_other_ranks_as_themselves_only_where_their_message_make
     ("AWS_ENDPOINT_URL", "http://"),
     ("AWS_ENDPOINT_URL_S3", "not a url"),  # the client's endpoint when set, ahead of AWS_ENDPOINT_URL
     ("AWS_ENDPOINT_URL_S3", "http://h ost:1"),
+    ("AWS_ENDPOINT_URL_S3", ""),  # `export VAR=`: the client takes it over AWS_ENDPOINT_URL, and panicked
+    ("AWS_ENDPOINT_URL", ""),
     ("OLMO_CHUNKS_RETRY_TIMEOUT", "30s"),  # was silently 120 s
     ("OLMO_CHUNKS_RETRY_TIMEOUT", "0"),
 ])
@@ -461,3 +463,32 @@ def test_plain_http_endpoint_without_allow_http_names_the_variable(monkeypatch, 
     want = rf"\({var}\) is plain HTTP; set AWS_ALLOW_HTTP=true to use it \(AWS_ALLOW_HTTP {said}\)"
     with pytest.raises(InvalidArgumentError, match=want):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://never-{uuid.uuid4().hex[:12]}/x")  # was "builder error"
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("AWS_REGION", "us east-1"),  # each was a PanicException of the HTTP library, building a request
+    ("AWS_REGION", "us\x01"),
+    ("AWS_SESSION_TOKEN", "a\x01b"),
+    ("AWS_ACCESS_KEY_ID", "a\x01b"),
+    ("AWS_ENDPOINT_URL", "http://ex\u00e4mple.invalid:1"),
+])
+def test_settings_the_object_store_client_panics_on_are_invalid_arguments(monkeypatch, var: str, value: str):
+    import uuid
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "1")
+    if var == "AWS_REGION" and value == "us east-1":
+        monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(InvalidArgumentError, match="the object store's client refused its settings"):
+        olmo_chunks.load({"w": torch.zeros(1)}, f"s3://never-{uuid.uuid4().hex[:12]}/x")
+
+
+@pytest.mark.parametrize("bucket", ["a b", "a\x01b", "bkt#zz", "bkt?zz"])
+def test_a_bucket_name_with_a_character_no_bucket_has_is_refused(bucket: str):
+    # A blank or control character was a panic; '#' and '?' sent requests to the bucket's root.
+    with pytest.raises(InvalidArgumentError, match="a bucket name holds only letters, digits"):
+        olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/x")

@@ -506,9 +506,26 @@ def test_a_commit_whose_answer_is_lost_keeps_the_committed_checkpoint_whole(s3, 
                                1000)
     finally:
         assert proxy.close() == 1
-    assert outcome.startswith("StorageError"), outcome  # the save cannot know it committed
+    assert outcome == "ok", outcome  # it asked, and had committed
     assert load_one(url) == 2
     assert not [k for k in s3.keys(bucket) if k.endswith(".olmo_chunks.lease")]  # released
+
+
+def test_a_commit_that_lands_after_its_client_gave_up_keeps_the_data_it_names(s3, bucket):
+    # The manifest PUT reaches the server 4.5 s late, after the client gave up (3 s budget): the
+    # manifest read back right away was the old one, so the save deleted its data, and then the
+    # PUT landed, naming files that were gone.
+    url = f"s3://{bucket}/late"
+    olmo_chunks.save(_state(1, 1000), url)
+    proxy = FaultProxy(s3.port, "late-commit", "PUT", 1)
+    try:
+        (outcome,) = world.run(1, in_env, s3.env(proxy.port, OLMO_CHUNKS_RETRY_TIMEOUT="3"), save_and_report, url, 2,
+                               1000)
+        assert outcome.startswith("StorageError") and "the save may have committed" in outcome, outcome
+        time.sleep(2.5)  # the PUT lands
+    finally:
+        assert proxy.close() == 1
+    assert load_one(url) == 2
 
 
 # Each fault through the proxy (tests/fault_proxy.py), and the outcome it gets: retried, then the

@@ -112,6 +112,9 @@ impl Storage for Paced {
     fn read_merge(&self) -> ReadMerge {
         self.inner.read_merge()
     }
+    fn writes_land_late(&self) -> bool {
+        self.inner.writes_land_late()
+    }
     fn open(&self, rel: &str) -> Result<Box<dyn Object>> {
         Ok(Box::new(PacedObject {
             inner: self.inner.open(rel)?,

@@ -192,6 +192,11 @@ pub trait Storage: Send + Sync {
     fn read_merge(&self) -> ReadMerge {
         ReadMerge::default()
     }
+    /// Whether a write whose request failed may still land afterwards (an object store's PUT
+    /// sent before its client gave up): its outcome is then unknown however it reads back now.
+    fn writes_land_late(&self) -> bool {
+        false
+    }
     /// Opens object `rel` for reading. Refuses anything but a regular object strictly below the
     /// root (no symbolic links, FIFOs or devices).
     fn open(&self, rel: &str) -> Result<Box<dyn Object>>;

@@ -7,7 +7,7 @@
 //! object store each implement; every door drives its save through it.
 
 use std::fs::{self, File};
-use std::io::Read;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -337,13 +337,20 @@ impl SaveTxn {
             }
             Err(e) => {
                 // A failure after the manifest became visible (a directory fsync, a lost
-                // response) must not take its data away; nor one whose outcome the check cannot
-                // tell (it failed too): the next save removes the data if it is not live.
-                if !matches!(self.committed(), Ok(false)) {
-                    self.finished = true;
-                    self.release();
+                // response) is a commit. One whose outcome is unknown (the check failed too, or
+                // an object store's PUT may still land) keeps the data: the next save removes it
+                // if no manifest names it.
+                let late =
+                    self.storage.writes_land_late() && !matches!(e, CoreError::Locked { .. });
+                match self.committed() {
+                    Ok(true) => {}
+                    Ok(false) if !late => return Err(e),
+                    _ => {
+                        self.finished = true;
+                        self.release();
+                        return Err(may_have_committed(e));
+                    }
                 }
-                return Err(e);
             }
         }
         self.finished = true;
@@ -421,6 +428,24 @@ impl SaveTxn {
 impl Drop for SaveTxn {
     fn drop(&mut self) {
         self.abort();
+    }
+}
+
+/// `e` of a manifest write, saying that the save may have committed.
+fn may_have_committed(e: CoreError) -> CoreError {
+    match e {
+        CoreError::Io { path, source } => CoreError::Io {
+            path,
+            source: io::Error::new(
+                source.kind(),
+                format!(
+                    "{source}; the save may have committed (the manifest write failed without a \
+                     definite answer): its data is kept, and a load tells which save the \
+                     checkpoint holds"
+                ),
+            ),
+        },
+        other => other,
     }
 }
 

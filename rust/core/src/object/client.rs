@@ -143,7 +143,7 @@ pub(super) fn retry_budget() -> Result<Duration> {
 /// blank, a bad port), or an `http://` one without `AWS_ALLOW_HTTP=true`. The endpoint is the one
 /// the client uses: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`).
 fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
-    let value = |key| builder.get_config_value(&key).filter(|v| !v.is_empty());
+    let value = |key| builder.get_config_value(&key);
     let (var, endpoint) = match (
         value(AmazonS3ConfigKey::S3Endpoint),
         value(AmazonS3ConfigKey::Endpoint),
@@ -187,6 +187,23 @@ fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// `f()`, or where the object store's client panics in it (on settings its HTTP library rejects
+/// only when it builds a request: a region or key with a blank or a control character, a
+/// credential URL that does not parse, a non-ASCII host), `InvalidArgumentError` saying so.
+pub(super) fn no_panic<T>(f: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        CoreError::InvalidArgument(format!(
+            "the object store's client refused its settings ({why}): check the AWS_* or \
+             GOOGLE_* variables and the URL"
+        ))
+    })
 }
 
 /// The retry policy: backoff from 100 ms to 15 s, at most 10 retries, no retry begun after the
@@ -233,6 +250,14 @@ pub(super) fn split_url(url: &str) -> Result<(String, String, String)> {
     if bucket.is_empty() {
         return Err(bad("no bucket name"));
     }
+    if !bucket
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+    {
+        return Err(bad(
+            "a bucket name holds only letters, digits, '-', '.' and '_'",
+        ));
+    }
     // Empty segments (`a//b`, a trailing `/`) collapse, as they always did.
     let prefix: Vec<&str> = prefix.split('/').filter(|p| !p.is_empty()).collect();
     if prefix.iter().any(|p| matches!(*p, "." | "..")) {
@@ -261,7 +286,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
             for (key, value) in deadlines(budget) {
                 builder = builder.with_config(GoogleConfigKey::Client(key), value);
             }
-            let gcs = Arc::new(builder.build().map_err(bad)?);
+            let gcs = Arc::new(no_panic(|| builder.build())?.map_err(bad)?);
             Bucket {
                 store: gcs.clone(),
                 multipart: gcs,
@@ -276,7 +301,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
                 builder = builder.with_config(AmazonS3ConfigKey::Client(key), value);
             }
             check_endpoint(&builder)?;
-            let s3 = Arc::new(builder.build().map_err(bad)?);
+            let s3 = Arc::new(no_panic(|| builder.build())?.map_err(bad)?);
             Bucket {
                 store: s3.clone(),
                 multipart: s3,

@@ -13,7 +13,7 @@ use object_store::{
 };
 use tokio::runtime::Runtime;
 
-use super::client::{bucket_for, retry_budget, runtime, split_url, Breaker, Bucket};
+use super::client::{bucket_for, no_panic, retry_budget, runtime, split_url, Breaker, Bucket};
 use super::transfer::{RemoteReader, RemoteWriter};
 use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
 use crate::error::{CoreError, Result};
@@ -66,6 +66,8 @@ pub(super) fn to_io(e: object_store::Error) -> std::io::Error {
 pub(super) trait Unanswered {
     fn unanswered(after: Duration) -> Self;
     fn server_failed(&self) -> bool;
+    /// The error for settings the client panicked on (`client::no_panic`).
+    fn refused(e: CoreError) -> Self;
 }
 
 fn unanswered_io(after: Duration) -> std::io::Error {
@@ -81,6 +83,10 @@ fn unanswered_io(after: Duration) -> std::io::Error {
 impl Unanswered for std::io::Error {
     fn unanswered(after: Duration) -> Self {
         unanswered_io(after)
+    }
+
+    fn refused(e: CoreError) -> Self {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
     }
 
     fn server_failed(&self) -> bool {
@@ -112,8 +118,24 @@ impl Unanswered for object_store::Error {
         }
     }
 
+    /// A Generic error (a connection, a 5xx), not a client error of the HTTP answer (a 4xx other
+    /// than 408 and 429: the server answered).
     fn server_failed(&self) -> bool {
-        matches!(self, object_store::Error::Generic { .. })
+        let object_store::Error::Generic { source, .. } = self else {
+            return false;
+        };
+        let text = source.to_string();
+        let status = text
+            .split_once("non-2xx status code: ")
+            .map(|(_, rest)| rest.chars().take(3).collect::<String>());
+        !matches!(status.as_deref(), Some(s) if s.starts_with('4') && s != "408" && s != "429")
+    }
+
+    fn refused(e: CoreError) -> Self {
+        object_store::Error::Generic {
+            store: "olmo-chunks",
+            source: Box::new(e),
+        }
     }
 }
 
@@ -124,6 +146,10 @@ impl Unanswered for CoreError {
 
     fn server_failed(&self) -> bool {
         matches!(self, CoreError::Io { source, .. } if source.server_failed())
+    }
+
+    fn refused(e: CoreError) -> Self {
+        e
     }
 }
 
@@ -197,15 +223,18 @@ impl ObjectStorage {
             .requests
             .fetch_add(1, Ordering::Relaxed);
         let start = Instant::now();
-        let out = match breaker.deadline() {
-            None => self.runtime.block_on(fut),
-            Some(d) => match self
+        let deadline = breaker.deadline();
+        let run = || match deadline {
+            None => Some(self.runtime.block_on(fut)),
+            Some(d) => self
                 .runtime
                 .block_on(async { tokio::time::timeout(d, fut).await })
-            {
-                Ok(out) => out,
-                Err(_) => return Err(E::unanswered(d)), // not a failure of its own
-            },
+                .ok(),
+        };
+        let out = match no_panic(run) {
+            Ok(Some(out)) => out,
+            Ok(None) => return Err(E::unanswered(deadline.unwrap_or_default())), // not a failure of its own
+            Err(panicked) => return Err(E::refused(panicked)),
         };
         breaker.record(
             start,
@@ -219,15 +248,25 @@ impl ObjectStorage {
         if is_missing_bucket(&e) {
             return self.missing_bucket();
         }
+        if let object_store::Error::Generic { source, .. } = &e {
+            if let Some(CoreError::InvalidArgument(why)) = source.downcast_ref::<CoreError>() {
+                return CoreError::InvalidArgument(why.clone()); // (`Unanswered::refused`)
+            }
+        }
         CoreError::io(self.name(rel), to_io(e))
     }
 
     /// A missing bucket is a wrong location, not a missing checkpoint or data file.
     fn missing_bucket(&self) -> CoreError {
         let bucket = self.url.split('/').nth(2).unwrap_or_default();
+        let settings = if self.url.starts_with("gs://") {
+            "GOOGLE_*"
+        } else {
+            "AWS_ENDPOINT_URL / AWS_REGION"
+        };
         CoreError::InvalidArgument(format!(
             "{}: the bucket {bucket:?} does not exist at this endpoint (check the URL and \
-             AWS_ENDPOINT_URL / AWS_REGION, or create the bucket)",
+             {settings}, or create the bucket)",
             self.url
         ))
     }
@@ -450,6 +489,9 @@ fn read_merge() -> Result<ReadMerge> {
 impl Storage for ObjectStorage {
     fn read_merge(&self) -> ReadMerge {
         self.merge
+    }
+    fn writes_land_late(&self) -> bool {
+        true
     }
     fn name(&self, rel: &str) -> PathBuf {
         if rel.is_empty() {
