@@ -494,18 +494,26 @@ def test_a_save_fails_within_about_one_retry_budget_of_its_server_dying(monkeypa
     assert took < 10 + 5 * 1 + 2
 
 
+def _save_v2_through(s3: Any, url: str, fault: str, linger: float = 0.0) -> str:
+    """Saves version 2 over version 1 at `url` in another process, through a proxy that injects
+    `fault` into the manifest PUT, with a 3 s budget; the proxy lives `linger` s more."""
+    olmo_chunks.save(_state(1, 1000), url)
+    proxy = FaultProxy(s3.port, fault, "PUT", 1)
+    try:
+        (outcome,) = world.run(1, in_env, s3.env(proxy.port, OLMO_CHUNKS_RETRY_TIMEOUT="3"), save_and_report, url, 2,
+                               1000)
+        time.sleep(linger)
+    finally:
+        assert proxy.close() == 1
+    return outcome
+
+
 def test_a_commit_whose_answer_is_lost_keeps_the_committed_checkpoint_whole(s3, bucket):
     # The manifest PUT lands but its answer never comes (it fails after the 3 s budget); the check
     # "did it commit?" that follows was cut at 1 s after that failure, so the save took the check's
     # failure for "no" and deleted the data of the manifest it had committed: nothing loaded.
     url = f"s3://{bucket}/lost"
-    olmo_chunks.save(_state(1, 1000), url)
-    proxy = FaultProxy(s3.port, "lost-commit", "PUT", 1)
-    try:
-        (outcome,) = world.run(1, in_env, s3.env(proxy.port, OLMO_CHUNKS_RETRY_TIMEOUT="3"), save_and_report, url, 2,
-                               1000)
-    finally:
-        assert proxy.close() == 1
+    outcome = _save_v2_through(s3, url, "lost-commit")
     assert outcome == "ok", outcome  # it asked, and had committed
     assert load_one(url) == 2
     assert not [k for k in s3.keys(bucket) if k.endswith(".olmo_chunks.lease")]  # released
@@ -516,15 +524,8 @@ def test_a_commit_that_lands_after_its_client_gave_up_keeps_the_data_it_names(s3
     # manifest read back right away was the old one, so the save deleted its data, and then the
     # PUT landed, naming files that were gone.
     url = f"s3://{bucket}/late"
-    olmo_chunks.save(_state(1, 1000), url)
-    proxy = FaultProxy(s3.port, "late-commit", "PUT", 1)
-    try:
-        (outcome,) = world.run(1, in_env, s3.env(proxy.port, OLMO_CHUNKS_RETRY_TIMEOUT="3"), save_and_report, url, 2,
-                               1000)
-        assert outcome.startswith("StorageError") and "the save may have committed" in outcome, outcome
-        time.sleep(2.5)  # the PUT lands
-    finally:
-        assert proxy.close() == 1
+    outcome = _save_v2_through(s3, url, "late-commit", linger=2.5)  # the PUT lands meanwhile
+    assert outcome.startswith("StorageError") and "the save may have committed" in outcome, outcome
     assert load_one(url) == 2
 
 
