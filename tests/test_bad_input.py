@@ -433,6 +433,8 @@ def test_errors_cross_to_other_ranks_as_themselves_only_where_their_message_make
     ("AWS_ENDPOINT_URL", "http://127.0.0.1:99999"),  # a bad port, or no host, was a panic of the HTTP client
     ("AWS_ENDPOINT_URL", "http://[::1"),
     ("AWS_ENDPOINT_URL", "http://"),
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:9/?x=1"),  # was "ETag Header missing from response"
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:9#f"),
     ("AWS_ENDPOINT_URL_S3", "not a url"),  # the client's endpoint when set, ahead of AWS_ENDPOINT_URL
     ("AWS_ENDPOINT_URL_S3", "http://h ost:1"),
     ("AWS_ENDPOINT_URL_S3", ""),  # `export VAR=`: the client takes it over AWS_ENDPOINT_URL, and panicked

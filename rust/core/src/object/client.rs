@@ -140,7 +140,8 @@ pub(super) fn retry_budget() -> Result<Duration> {
 
 /// Refuses an endpoint the client would only reject when it sends a request, with a panic of its
 /// HTTP library or "HTTP error: builder error": one that is not an http(s) URL with a host (a
-/// blank, a bad port), or an `http://` one without `AWS_ALLOW_HTTP=true`. The endpoint is the one
+/// blank, a bad port) and neither query nor fragment (requests to it failed with "ETag Header
+/// missing from response"), or an `http://` one without `AWS_ALLOW_HTTP=true`. The endpoint is the one
 /// the client uses: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`).
 fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
     let value = |key| builder.get_config_value(&key);
@@ -165,6 +166,8 @@ fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
     let parsed = url::Url::parse(&endpoint).ok().filter(|u| {
         matches!(u.scheme(), "http" | "https")
             && u.host_str().is_some_and(|h| !h.is_empty())
+            && u.query().is_none()
+            && u.fragment().is_none()
             && !endpoint
                 .chars()
                 .any(|c| c.is_whitespace() || c.is_control())
