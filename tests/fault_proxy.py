@@ -13,7 +13,9 @@ the S3 server at 127.0.0.1:TARGET that answers the first COUNT METHOD requests f
 - `lost-commit`: a PUT of the manifest (not a data object) forwarded, so the server commits it, and
   never answered; every GET of the manifest then answered 1.3 s late;
 - `late-commit`: a PUT of the manifest held 4.5 s before it is forwarded (its client has given up
-  by then).
+  by then);
+- `commit-500`: a PUT of the manifest forwarded, so the server commits it, and answered 500 (its
+  client retries it, and the retry's condition fails).
 
 Each request is forwarded on a fresh upstream connection; the client's connection is kept alive.
 It prints `faults N` on stdout after each fault it injects.
@@ -99,6 +101,11 @@ class Proxy:
         if self.fault == "late-commit" and manifest_put and self.take(True):
             await asyncio.sleep(4.5)
             self.injected(b"", False)
+        if self.fault == "commit-500" and manifest_put and self.take(True):
+            await self.upstream(start, headers, body)
+            msg = S3_ERROR.format(code="InternalError", msg="injected").encode()
+            return self.injected(serialize(b"HTTP/1.1 500 Internal Server Error", {
+                "content-type": "application/xml", "content-length": str(len(msg))}, msg), False)
         wanted = ".olmo_chunks.clock-" in key if self.fault == "vanished" else key.endswith(".bin")
         applies = wanted and method == self.method and (
             self.fault != "other-range" or (m is not None and a >= n > 0))

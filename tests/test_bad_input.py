@@ -484,9 +484,15 @@ def test_settings_the_object_store_client_panics_on_are_invalid_arguments(monkey
     monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "1")
     if var == "AWS_REGION" and value == "us east-1":
         monkeypatch.delenv("AWS_ENDPOINT_URL")
+    good = os.environ.get(var, "us-east-1" if var == "AWS_REGION" else "")
     monkeypatch.setenv(var, value)
+    url = f"s3://never-{uuid.uuid4().hex[:12]}/x"
     with pytest.raises(InvalidArgumentError, match="the object store's client refused its settings"):
-        olmo_chunks.load({"w": torch.zeros(1)}, f"s3://never-{uuid.uuid4().hex[:12]}/x")
+        olmo_chunks.load({"w": torch.zeros(1)}, url)
+    monkeypatch.setenv(var, good)  # mended: the bucket's client is made again (it was kept, and refused for good)
+    with pytest.raises(OlmoChunksError) as again:
+        olmo_chunks.load({"w": torch.zeros(1)}, url)
+    assert "refused its settings" not in str(again.value)
 
 
 @pytest.mark.parametrize("bucket", ["a b", "a\x01b", "bkt#zz", "bkt?zz"])

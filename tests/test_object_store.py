@@ -526,6 +526,21 @@ def test_a_commit_that_lands_after_its_client_gave_up_keeps_the_data_it_names(s3
     url = f"s3://{bucket}/late"
     outcome = _save_v2_through(s3, url, "late-commit", linger=2.5)  # the PUT lands meanwhile
     assert outcome.startswith("StorageError") and "the save may have committed" in outcome, outcome
+    # Its lease is left to lapse, not released: a save that began at once would have removed the
+    # data before the PUT landed.
+    assert [k for k in s3.keys(bucket) if k.endswith(".olmo_chunks.lease")] == ["late/.olmo_chunks.lease"]
+    assert load_one(url) == 2
+    time.sleep(3.5)  # the lease lapses (3 s)
+    olmo_chunks.save(_state(3, 1000), url, overwrite=True, peer_timeout=3.0)
+    assert load_one(url) == 3
+
+
+def test_a_commit_retried_after_it_landed_is_a_commit_not_a_loss(s3, bucket):
+    # The manifest PUT landed but was answered 500; the client's retry then failed its condition
+    # (the manifest had changed: to this save's), and the save said another save had committed
+    # and deleted its data: nothing loaded.
+    url = f"s3://{bucket}/retried"
+    assert _save_v2_through(s3, url, "commit-500") == "ok"
     assert load_one(url) == 2
 
 

@@ -325,31 +325,32 @@ impl SaveTxn {
         let published = self
             .storage
             .publish(MANIFEST_NAME, &m.encode(), cond, &|| self.check_lease());
+        // A failure after the manifest became visible (a directory fsync, a lost response) is a
+        // commit; so is a refused condition after a retry of a PUT that had landed. One whose
+        // outcome is unknown (the check failed too, or an object store's PUT failed without an
+        // answer and may still land) keeps the data and leaves the lease to lapse, so that no
+        // save removes the data before that PUT can no longer land; the next save removes it if
+        // no manifest names it.
         match published {
             Ok(Some(_)) => {}
-            Ok(None) => {
-                return Err(CoreError::Locked {
-                    path: self.storage.name(""),
-                    reason: "another save committed a checkpoint here while this one ran; \
-                             nothing was committed"
-                        .into(),
-                })
-            }
+            Ok(None) => match self.committed() {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(CoreError::Locked {
+                        path: self.storage.name(""),
+                        reason: "another save committed a checkpoint here while this one ran; \
+                                 nothing was committed"
+                            .into(),
+                    })
+                }
+                Err(e) => return Err(self.unknown_outcome(e)),
+            },
             Err(e) => {
-                // A failure after the manifest became visible (a directory fsync, a lost
-                // response) is a commit. One whose outcome is unknown (the check failed too, or
-                // an object store's PUT may still land) keeps the data: the next save removes it
-                // if no manifest names it.
-                let late =
-                    self.storage.writes_land_late() && !matches!(e, CoreError::Locked { .. });
+                let late = self.storage.writes_land_late() && crate::object::indefinite(&e);
                 match self.committed() {
                     Ok(true) => {}
                     Ok(false) if !late => return Err(e),
-                    _ => {
-                        self.finished = true;
-                        self.release();
-                        return Err(may_have_committed(e));
-                    }
+                    _ => return Err(self.unknown_outcome(e)),
                 }
             }
         }
@@ -415,6 +416,14 @@ impl SaveTxn {
                      past the lease timeout); nothing was committed"
                 .into(),
         })
+    }
+
+    /// Ends a save whose commit may or may not have happened: its data is kept, and its lease
+    /// left to lapse (its heartbeat stopped) rather than released.
+    fn unknown_outcome(&mut self, e: CoreError) -> CoreError {
+        self.finished = true;
+        self.heartbeat.stop();
+        may_have_committed(e)
     }
 
     fn release(&mut self) {

@@ -318,6 +318,15 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
     })
 }
 
+/// Drops `bucket`'s client from this process's cache: the next storage in it makes another, from
+/// the settings then.
+pub(super) fn forget(bucket: &Arc<Bucket>) {
+    let _ = with_clients(|c| {
+        c.buckets.retain(|_, b| !Arc::ptr_eq(b, bucket));
+        Ok(())
+    });
+}
+
 /// The counters of everything moved to and from the bucket `url` lies in, by this process.
 pub fn bucket_counters(url: &str) -> Result<Arc<IoCounters>> {
     let (scheme, bucket, _) = split_url(url)?;

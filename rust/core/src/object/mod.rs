@@ -24,6 +24,7 @@ mod transfer;
 
 pub use client::bucket_counters;
 pub(crate) use client::with_full_budget;
+pub(crate) use storage::indefinite;
 pub use storage::ObjectStorage;
 
 /// Parts of a multipart upload are this large (the last one smaller), or larger where a file

@@ -13,7 +13,9 @@ use object_store::{
 };
 use tokio::runtime::Runtime;
 
-use super::client::{bucket_for, no_panic, retry_budget, runtime, split_url, Breaker, Bucket};
+use super::client::{
+    bucket_for, forget, no_panic, retry_budget, runtime, split_url, Breaker, Bucket,
+};
 use super::transfer::{RemoteReader, RemoteWriter};
 use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
 use crate::error::{CoreError, Result};
@@ -68,6 +70,12 @@ pub(super) trait Unanswered {
     fn server_failed(&self) -> bool;
     /// The error for settings the client panicked on (`client::no_panic`).
     fn refused(e: CoreError) -> Self;
+}
+
+/// Whether `e` of an object store's request leaves its outcome unknown: no definite answer came
+/// (a connection failed, a 5xx, a timeout), so a write may have landed, or land later.
+pub(crate) fn indefinite(e: &CoreError) -> bool {
+    e.server_failed()
 }
 
 fn unanswered_io(after: Duration) -> std::io::Error {
@@ -234,7 +242,10 @@ impl ObjectStorage {
         let out = match no_panic(run) {
             Ok(Some(out)) => out,
             Ok(None) => return Err(E::unanswered(deadline.unwrap_or_default())), // not a failure of its own
-            Err(panicked) => return Err(E::refused(panicked)),
+            Err(panicked) => {
+                forget(&self.bucket); // its settings may be mended before the next request
+                return Err(E::refused(panicked));
+            }
         };
         breaker.record(
             start,
@@ -376,36 +387,38 @@ impl ObjectStorage {
         let concurrency = workers(concurrency);
         let counters = &self.bucket.counters;
         let store = &self.bucket.store;
-        let done: object_store::Result<()> = self.runtime.block_on(async {
-            if size <= PART_SIZE {
-                store
-                    .put(&key, PutPayload::from(vec![0x5A_u8; size as usize]))
+        let done: object_store::Result<()> = no_panic(|| {
+            self.runtime.block_on(async {
+                if size <= PART_SIZE {
+                    store
+                        .put(&key, PutPayload::from(vec![0x5A_u8; size as usize]))
+                        .await?;
+                    counters.requests.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
+                let mut upload = store.put_multipart(&key).await?;
+                let mut parts = Vec::new();
+                let mut left = size as usize;
+                while left > 0 {
+                    let n = left.min(part);
+                    let payload = if n == part {
+                        full.clone()
+                    } else {
+                        PutPayload::from(vec![0x5A_u8; n])
+                    };
+                    parts.push(upload.put_part(payload));
+                    left -= n;
+                }
+                let n = parts.len() as u64;
+                futures_util::stream::iter(parts)
+                    .buffer_unordered(concurrency)
+                    .try_collect::<Vec<()>>()
                     .await?;
-                counters.requests.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            let mut upload = store.put_multipart(&key).await?;
-            let mut parts = Vec::new();
-            let mut left = size as usize;
-            while left > 0 {
-                let n = left.min(part);
-                let payload = if n == part {
-                    full.clone()
-                } else {
-                    PutPayload::from(vec![0x5A_u8; n])
-                };
-                parts.push(upload.put_part(payload));
-                left -= n;
-            }
-            let n = parts.len() as u64;
-            futures_util::stream::iter(parts)
-                .buffer_unordered(concurrency)
-                .try_collect::<Vec<()>>()
-                .await?;
-            upload.complete().await?;
-            counters.requests.fetch_add(n + 2, Ordering::Relaxed);
-            Ok(())
-        });
+                upload.complete().await?;
+                counters.requests.fetch_add(n + 2, Ordering::Relaxed);
+                Ok(())
+            })
+        })?;
         done.map_err(|e| self.err(rel, e))?;
         counters.add_written(size);
         Ok(())
@@ -427,7 +440,7 @@ impl ObjectStorage {
         let store = &self.bucket.store;
         let n = gets.len() as u64;
         let concurrency = workers(concurrency);
-        let got: object_store::Result<Vec<usize>> =
+        let got: object_store::Result<Vec<usize>> = no_panic(|| {
             self.runtime.block_on(
                 futures_util::stream::iter(gets)
                     .map(|(key, range)| async move {
@@ -435,7 +448,8 @@ impl ObjectStorage {
                     })
                     .buffer_unordered(concurrency)
                     .try_collect(),
-            );
+            )
+        })?;
         let read = got.map_err(|e| self.err("", e))?.iter().sum::<usize>() as u64;
         self.bucket
             .counters
