@@ -474,7 +474,8 @@ def test_plain_http_endpoint_without_allow_http_names_the_variable(monkeypatch, 
     ("AWS_ACCESS_KEY_ID", "a\x01b"),
     ("AWS_ENDPOINT_URL", "http://ex\u00e4mple.invalid:1"),
 ])
-def test_settings_the_object_store_client_panics_on_are_invalid_arguments(monkeypatch, var: str, value: str):
+def test_settings_the_object_store_client_panics_on_are_invalid_arguments(monkeypatch, capfd, var: str,
+                                                                         value: str):
     import uuid
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
@@ -489,6 +490,7 @@ def test_settings_the_object_store_client_panics_on_are_invalid_arguments(monkey
     url = f"s3://never-{uuid.uuid4().hex[:12]}/x"
     with pytest.raises(InvalidArgumentError, match="the object store's client refused its settings"):
         olmo_chunks.load({"w": torch.zeros(1)}, url)
+    assert "panicked" not in capfd.readouterr().err  # the caught panic printed its own lines before the error
     monkeypatch.setenv(var, good)  # mended: the bucket's client is made again (it was kept, and refused for good)
     with pytest.raises(OlmoChunksError) as again:
         olmo_chunks.load({"w": torch.zeros(1)}, url)

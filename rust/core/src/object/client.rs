@@ -1,7 +1,8 @@
 //! The clients of the buckets this process reaches, and the runtime that drives them.
 
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
 use object_store::aws::AmazonS3ConfigKey;
@@ -192,11 +193,29 @@ fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
     Ok(())
 }
 
+thread_local! {
+    /// Whether a panic on this thread is caught by [`no_panic`], which reports it itself.
+    static CAUGHT: Cell<bool> = const { Cell::new(false) };
+}
+
 /// `f()`, or where the object store's client panics in it (on settings its HTTP library rejects
 /// only when it builds a request: a region or key with a blank or a control character, a
-/// credential URL that does not parse, a non-ASCII host), `InvalidArgumentError` saying so.
+/// credential URL that does not parse, a non-ASCII host), `InvalidArgumentError` saying so. Such a
+/// panic prints nothing (the error says it all); any other panic reaches the hook it had before.
 pub(super) fn no_panic<T>(f: impl FnOnce() -> T) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+    static QUIET_HOOK: Once = Once::new();
+    QUIET_HOOK.call_once(|| {
+        let before = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !CAUGHT.with(Cell::get) {
+                before(info)
+            }
+        }));
+    });
+    let outer = CAUGHT.with(|c| c.replace(true));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CAUGHT.with(|c| c.set(outer));
+    out.map_err(|panic| {
         let why = panic
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
