@@ -279,6 +279,30 @@ def test_failed_commit_keeps_the_previous_checkpoint(ckpt: Path, monkeypatch):
     assert len(os.listdir(ckpt / "data")) == 1
 
 
+def test_the_commits_last_word_is_asked_in_the_core_after_the_manifest_is_written(ckpt: Path, monkeypatch):
+    # The coordinator's check that it was not frozen while the others gave up on it ran before the
+    # core assembled, encoded and wrote the manifest: a freeze in that time went unseen.
+    real = SaveSession.commit
+    seen: list[list[str]] = []
+
+    class CalledOff(Exception):
+        pass
+
+    def refuse() -> None:
+        seen.append(sorted(n for n in os.listdir(ckpt) if ".tmp-" in n))
+        raise CalledOff("frozen")
+
+    monkeypatch.setattr(SaveSession, "commit", lambda *a, **k: real(*a, **{**k, "ready": refuse}))
+    with pytest.raises(CalledOff, match=r"^frozen$"):
+        olmo_chunks.save(state(seed=1), ckpt, overwrite=True)
+    assert len(seen) == 1 and len(seen[0]) == 1 and olmo_chunks.MANIFEST_NAME in seen[0][0], seen
+    monkeypatch.undo()
+    sd = zeros_like_state(state())
+    olmo_chunks.load(sd, ckpt)
+    assert_same(sd, state())
+    assert not [n for n in os.listdir(ckpt) if ".tmp-" in n] and len(os.listdir(ckpt / "data")) == 1
+
+
 def save_failing_on_rank(path: str, bad_rank: int, seed: int) -> str:
     import torch.distributed as dist
 

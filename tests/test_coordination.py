@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +301,13 @@ def _frozen_host(rank: int, path: str, where: str) -> str:
     elif rank == 0 and where == "after_commit":  # committed: rank 1 finds the manifest, and goes on
         orig = SaveSession.commit
         SaveSession.commit = lambda *args, **kwargs: (orig(*args, **kwargs), freeze())[0]  # type: ignore[method-assign]
+    elif rank == 0 and where == "core_commit":  # inside the core's commit, the manifest written beside
+        orig = SaveSession.commit
+
+        def late(*args: Any, ready: Callable[[], None], **kwargs: Any) -> Any:
+            return orig(*args, ready=lambda: (freeze(), ready())[1], **kwargs)
+
+        SaveSession.commit = late  # type: ignore[method-assign]
     elif rank == 0:  # the store's host freezes in its write, or in the commit after the last check
         orig = getattr(SaveSession, where)
         setattr(SaveSession, where, lambda *args, **kwargs: (freeze(), orig(*args, **kwargs))[1])
@@ -311,7 +319,7 @@ def _frozen_host(rank: int, path: str, where: str) -> str:
     return "saved"
 
 
-@pytest.mark.parametrize("where", ["write", "commit", "between", "after_commit"])
+@pytest.mark.parametrize("where", ["write", "commit", "core_commit", "between", "after_commit"])
 def test_a_store_host_frozen_past_peer_timeout_does_not_commit_what_the_others_reported_failed(tmp_path, where):
     # Rank 1 gave up on the frozen host ("the store it hosts is gone") and went on; the host,
     # resumed, committed the save all the same and returned success. A freeze between two

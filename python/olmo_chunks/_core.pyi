@@ -433,6 +433,7 @@ class SaveTransaction:
         chunks: list[WrittenChunk],
         entries_json: str,
         info_json: str,
+        ready: Callable[[], object] | None = None,
     ) -> Manifest: ...
     def abort(self) -> None: ...
 

@@ -197,18 +197,18 @@ class SaveSession:
         """Commits the save (the coordinator): `schema` maps every key to `(dtype, shape, role)`,
         `chunks` is what every rank wrote, `entries` the encoded plain values, `info` free-form
         information (creation time and torch version are added). The core assembles, checks and
-        commits the manifest, once `ready()` (the last word before it) did not raise."""
+        commits the manifest, once `ready()` did not raise: it is called last, right before the
+        manifest is renamed into place or PUT."""
         if self.txn is None:
             raise InvalidArgumentError("no save was begun on this rank (only the coordinator commits)")
         meta_info = {"created_unix": time.time(), "torch": torch.__version__, **info}
         encoded = (json.dumps(entries, allow_nan=False), json.dumps(values.encode(meta_info, "info"), allow_nan=False))
-        if ready is not None:
-            ready()
         return self.txn.commit(
             self.block_size,
             [_core.TensorSchema(key, *schema[key]) for key in schema],
             list(chunks),
             *encoded,
+            ready,
         )
 
     def abort(self) -> None:

@@ -381,7 +381,7 @@ fn one_chunk_save(s: &Arc<dyn Storage>, opts: SaveOptions, data: &[u8]) -> Resul
         role: "tensor".into(),
     };
     let raw = || RawValue::from_string("{}".into()).unwrap();
-    txn.commit_parts(64, vec![schema], vec![chunk], raw(), raw())?;
+    txn.commit_parts(64, vec![schema], vec![chunk], raw(), raw(), &|| Ok(()))?;
     Ok(txn)
 }
 

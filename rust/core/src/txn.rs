@@ -308,11 +308,12 @@ impl SaveTxn {
     /// over: of two saves racing to one location, at most one commits.
     pub fn commit(&mut self, m: &Manifest) -> Result<()> {
         check_commit(m, &self.save_id)?;
-        self.publish(m)
+        self.publish(m, &|| Ok(()))
     }
 
-    /// [`SaveTxn::commit`] of a manifest `check_commit` has passed.
-    fn publish(&mut self, m: &Manifest) -> Result<()> {
+    /// [`SaveTxn::commit`] of a manifest `check_commit` has passed, once `ready()`, asked last
+    /// before the manifest is published, did not fail.
+    fn publish(&mut self, m: &Manifest, ready: &dyn Fn() -> Result<()>) -> Result<()> {
         if self.finished {
             return Err(CoreError::InvalidArgument(
                 "this save transaction has already ended".into(),
@@ -322,9 +323,10 @@ impl SaveTxn {
             Some(v) => PutIf::Version(v),
             None => PutIf::Absent,
         };
-        let published = self
-            .storage
-            .publish(MANIFEST_NAME, &m.encode(), cond, &|| self.check_lease());
+        let published = self.storage.publish(MANIFEST_NAME, &m.encode(), cond, &|| {
+            self.check_lease()?;
+            ready()
+        });
         // A failure after the manifest became visible (a directory fsync, a lost response) is a
         // commit; so is a refused condition after a retry of a PUT that had landed. One whose
         // outcome is unknown (the check failed too, or an object store's PUT failed without an
@@ -364,7 +366,9 @@ impl SaveTxn {
     }
 
     /// Assembles the manifest of this save from its parts, validates it as every reader does and
-    /// commits it (see [`SaveTxn::commit`]).
+    /// commits it (see [`SaveTxn::commit`]) once `ready()` did not fail: it is asked after
+    /// everything else, right before the manifest is renamed into place or PUT (a coordinator
+    /// checks there that it was not frozen while the others gave up on it).
     pub fn commit_parts(
         &mut self,
         block_size: u64,
@@ -372,12 +376,13 @@ impl SaveTxn {
         chunks: Vec<SavedChunk>,
         entries: Box<RawValue>,
         info: Box<RawValue>,
+        ready: &dyn Fn() -> Result<()>,
     ) -> Result<Manifest> {
         let m = assemble_manifest(&self.save_id, block_size, tensors, chunks, entries, info)?;
         // Checked first: what the decoder refuses as a corrupt file is the parts' error here.
         check_commit(&m, &self.save_id)?;
         let m = Manifest::decode(&m.encode(), &self.name(MANIFEST_NAME))?;
-        self.publish(&m)?;
+        self.publish(&m, ready)?;
         Ok(m)
     }
 

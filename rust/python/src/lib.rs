@@ -1258,7 +1258,10 @@ impl PySaveTransaction {
 
     /// Assembles the manifest from `tensors` (every tensor of the save) and `chunks` (what every
     /// rank wrote), checks it as every reader does (and exact coverage), commits it atomically and
-    /// removes the data of the saves it supersedes.
+    /// removes the data of the saves it supersedes. `ready()`, if given, is called last before
+    /// the manifest is published; what it raises calls the commit off and is raised.
+    #[pyo3(signature = (block_size, tensors, chunks, entries_json, info_json, ready=None))]
+    #[allow(clippy::too_many_arguments)]
     fn commit(
         &self,
         py: Python<'_>,
@@ -1267,6 +1270,7 @@ impl PySaveTransaction {
         chunks: Vec<PyRef<'_, PyWrittenChunk>>,
         entries_json: &str,
         info_json: &str,
+        ready: Option<Py<PyAny>>,
     ) -> PyResult<PyManifest> {
         let parse = |s: &str| {
             serde_json::from_str(s)
@@ -1287,14 +1291,27 @@ impl PySaveTransaction {
             .map(|c| c.to_core())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| to_pyerr(py, e))?;
-        let (m, storage) = detach(py, || {
+        let raised: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+        let ready = || match &ready {
+            None => Ok(()),
+            Some(f) => Python::attach(|py| f.call0(py)).map(drop).map_err(|e| {
+                let why = format!("the commit was called off: {e}");
+                *raised.lock().unwrap() = Some(e);
+                CoreError::InvalidArgument(why)
+            }),
+        };
+        let committed = detach(py, || {
             let m = self
                 .inner
                 .lock()
                 .unwrap()
-                .commit_parts(block_size, tensors, chunks, entries, info)?;
+                .commit_parts(block_size, tensors, chunks, entries, info, &ready)?;
             Ok((m, core::storage_at(&self.location)?))
-        })?;
+        });
+        let (m, storage) = match (committed, raised.into_inner().unwrap()) {
+            (Err(_), Some(e)) => return Err(e),
+            (committed, _) => committed?,
+        };
         Ok(PyManifest {
             inner: Arc::new(m),
             storage,
