@@ -46,7 +46,15 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from .errors import InvalidArgumentError, OlmoChunksError, RankFailedError, named_error, shared_form
+from .errors import (
+    InvalidArgumentError,
+    OlmoChunksError,
+    RankFailedError,
+    StorageError,
+    named_error,
+    shared_form,
+    start_thread,
+)
 
 T = TypeVar("T")
 
@@ -181,7 +189,7 @@ class _PyHeartbeat:
                         gap = kept.pop()[1]
                     self.long = [*kept, (now, gap)]
 
-        threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True).start()
+        start_thread(threading.Thread(target=beat, name="olmo-chunks-heartbeat", daemon=True))
 
     def set_interval(self, interval: float) -> None:
         self.interval = interval
@@ -404,6 +412,9 @@ class Group:
             self.store: Any = self.link.client(peer_timeout)
         except (ConnectionError, TimeoutError) as exc:
             raise self._store_lost(exc) from exc
+        except StorageError as exc:  # this process is out of descriptors, memory or threads
+            self._gave_up(str(exc))
+            raise
         with _calls_lock:
             untold = _untold[:]
             _untold.clear()
@@ -702,13 +713,17 @@ class Group:
         self.dead.add(-1 if host is None else host)
         who = f"rank {host}" if host is not None else "global rank 0"
         if self.rank != 0:
-            note = (f"rank {self.rank} gave up on this operation: it lost the rendezvous store ({_describe(exc)})",
-                    self.rank, False)
-            with _calls_lock:
-                _untold.append((self.prefix, pickle.dumps(note)))
+            self._gave_up(f"it lost the rendezvous store ({_describe(exc)})")
         return RankFailedError(f"{who} died or stopped responding: the rendezvous store it hosts is gone "
                                f"({_describe(exc)}); the process group is unusable without it: restart the job",
                                rank=host, dead=True)
+
+    def _gave_up(self, why: str) -> None:
+        """Leaves the note that this rank gave up on this operation (`why`) at this process's next
+        one, which can reach the store: the others, still waiting in this one, stop then."""
+        note = (f"rank {self.rank} gave up on this operation: {why}", self.rank, False)
+        with _calls_lock:
+            _untold.append((self.prefix, pickle.dumps(note)))
 
     def check_same(self, gathered: Sequence[dict[str, Any]], what: str) -> None:
         """Rank 0: raises `InvalidArgumentError` if the ranks passed different arguments."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group
 from .checkpoint import SaveSteps
-from .errors import OlmoChunksError
+from .errors import OlmoChunksError, start_thread
 from .session import staging_bytes
 from .shards import ChunkItem
 
@@ -95,12 +95,15 @@ def async_save(
     except BaseException as exc:
         group.fail(exc)
         raise
+    def abandon(exc: BaseException) -> None:
+        steps.__exit__(None, None, None)
+        steps.group.fail(exc)
+
     try:
         chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
         batch = _stage(steps, chunks, slot, pool_bytes)
     except BaseException as exc:
-        steps.__exit__(None, None, None)
-        steps.group.fail(exc)
+        abandon(exc)
         raise
     future: Future[None] = Future()
     future.set_running_or_notify_cancel()
@@ -125,8 +128,14 @@ def async_save(
             _threads.discard(threading.current_thread())
 
     thread = threading.Thread(target=finish, name="olmo-chunks-async-save")
-    _threads.add(thread)
-    thread.start()
+    _threads.add(thread)  # before it starts: it removes itself as it ends
+    try:
+        start_thread(thread)
+    except BaseException as exc:
+        _threads.discard(thread)
+        slot.future = None
+        abandon(exc)
+        raise
     return future
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _core, values
-from .errors import InvalidArgumentError, OlmoChunksError
+from .errors import InvalidArgumentError, OlmoChunksError, start_thread
 from .roles import MAIN_WEIGHT, ROLES
 
 __all__ = ["COMMANDS", "OPTION_TYPES", "Command", "main", "summarize"]
@@ -154,7 +154,7 @@ def _watching(desc: str, path: str) -> Iterator[None]:
                 update(_bytes_under(path))
 
         t = threading.Thread(target=poll, daemon=True)
-        t.start()
+        start_thread(t)
         try:
             yield
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 __all__ = [
@@ -159,3 +160,18 @@ def named_error(name: str, message: str, mismatches: list[str] | None = None) ->
         return cls(mismatches, header=message)
     cls = _by_name(name)
     return cls(message) if cls is not None else OlmoChunksError(message)
+
+
+def no_thread(exc: RuntimeError) -> StorageError:
+    """The error for a thread that could not be started (`exc`, as `threading` raises it), as the
+    core's."""
+    return StorageError(f"olmo-chunks: could not start a thread ({exc}): the process is at a limit on "
+                        "threads or memory (ulimit -u, a container's pids.max, ulimit -v)")
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """Starts `thread`, or raises `no_thread`'s error."""
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        raise no_thread(exc) from exc

@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from . import _core, rates
 from ._dist import INLINE_BYTES, Group
-from .errors import ChecksumError, InvalidArgumentError, MismatchError, OlmoChunksError, check_int
+from .errors import ChecksumError, InvalidArgumentError, MismatchError, OlmoChunksError, check_int, no_thread
 from .location import is_url
 from .shards import is_dense
 
@@ -588,7 +588,7 @@ class _CooperativeLoad:
                 exchange.start()
                 following = _outgoing(ro.round_bytes(k + 1)) if k + 1 < ro.rounds else 0
                 ahead = k + 1 < ro.rounds and cur.sizes.total + following <= STAGING_BYTES
-                pending = pool.submit(self._attempt, self._read, k + 1) if ahead else None
+                pending = self._attempt(_submit, pool, self._attempt, self._read, k + 1) if ahead else None
                 try:
                     recv = exchange.finish()
                 finally:
@@ -721,3 +721,11 @@ class _Exchange:
             return self.recv
         self.host.copy_(self.recv)
         return self.host
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """`pool.submit(fn, *args)`; where its thread cannot be started, `errors.no_thread`'s error."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError as exc:
+        raise no_thread(exc) from exc

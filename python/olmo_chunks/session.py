@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import _core, values
-from .errors import InvalidArgumentError, check_int
+from .errors import InvalidArgumentError, check_int, start_thread
 from .fill import STAGING_BYTES
 from .shards import ChunkItem
 
@@ -132,8 +132,8 @@ class SaveSession:
                 errors.append(exc)
 
         thread = threading.Thread(target=write, name="olmo-chunks-save-write")
+        start_thread(thread)
         self._writing = (thread, errors, buffer)
-        thread.start()
 
     def _stage(self, batch: list[ChunkItem]) -> tuple[list[ChunkItem], torch.Tensor | None]:
         """`batch` with its accelerator and non-contiguous tensors copied into one host buffer

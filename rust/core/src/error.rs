@@ -84,6 +84,14 @@ impl CoreError {
             source,
         }
     }
+    /// The error for a thread that could not be started (a limit on threads or memory).
+    pub fn no_thread(e: io::Error) -> Self {
+        let why = format!(
+            "could not start a thread ({e}): the process is at a limit on threads or memory \
+             (ulimit -u, a container's pids.max, ulimit -v)"
+        );
+        CoreError::io("olmo-chunks", io::Error::new(e.kind(), why))
+    }
     pub(crate) fn layout(key: &str, reason: impl Into<String>) -> Self {
         CoreError::Layout {
             key: key.to_string(),

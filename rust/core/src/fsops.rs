@@ -162,11 +162,16 @@ pub fn create(path: &Path, exclusive: bool) -> std::io::Result<File> {
 }
 
 /// A new file `path` (`O_EXCL`) holding `bytes`, fsynced; the open file (its metadata is the
-/// new file's, whatever `path` names by then).
+/// new file's, whatever `path` names by then). Removed again if it could not be written whole.
 pub fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<File> {
     let f = create(path, true)?;
-    write_at(&f, path, bytes, 0)?;
-    sync(&f, path)?;
+    if let Err(e) = write_at(&f, path, bytes, 0).and_then(|()| sync(&f, path)) {
+        // Created here and never whole (a full disk): an empty lease left behind locked the
+        // checkpoint for a lease timeout.
+        drop(f);
+        let _ = remove_file(path);
+        return Err(e);
+    }
     Ok(f)
 }
 

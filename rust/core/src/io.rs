@@ -33,7 +33,9 @@ pub fn default_workers() -> usize {
         .clamp(4, 32)
 }
 
-/// Runs `job` on each item of `work` from `workers` scoped threads; the first error stops the rest.
+/// Runs `job` on each item of `work` from `workers` scoped threads; the first error stops the
+/// rest. Where no more threads can be started (a limit on threads or memory), fewer do the work,
+/// down to the caller's thread alone.
 pub(crate) fn run_parallel<T: Send>(
     work: Vec<T>,
     workers: usize,
@@ -43,19 +45,23 @@ pub(crate) fn run_parallel<T: Send>(
     let queue = Mutex::new(work.into_iter());
     let failed = AtomicBool::new(false);
     let first_error = Mutex::new(None);
+    let work = || {
+        while !failed.load(Ordering::Relaxed) {
+            let Some(item) = queue.lock().unwrap().next() else {
+                break;
+            };
+            if let Err(e) = job(item) {
+                failed.store(true, Ordering::Relaxed);
+                first_error.lock().unwrap().get_or_insert(e);
+            }
+        }
+    };
     std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| {
-                while !failed.load(Ordering::Relaxed) {
-                    let Some(item) = queue.lock().unwrap().next() else {
-                        break;
-                    };
-                    if let Err(e) = job(item) {
-                        failed.store(true, Ordering::Relaxed);
-                        first_error.lock().unwrap().get_or_insert(e);
-                    }
-                }
-            });
+        let started = (0..workers)
+            .take_while(|_| std::thread::Builder::new().spawn_scoped(s, work).is_ok())
+            .count();
+        if started == 0 {
+            work();
         }
     });
     match first_error.into_inner().unwrap() {

@@ -54,6 +54,16 @@ fn timed_out(e: &io::Error) -> bool {
     )
 }
 
+/// Whether `e` is this process's own shortage (of file descriptors, memory or threads), which
+/// waiting for the store does not mend: a connection that fails so is not the store's host gone.
+pub fn is_own_shortage(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::OutOfMemory
+        || matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOBUFS)
+        )
+}
+
 impl StoreClient {
     /// Connects to the store at `host:port`, retrying refused or dropped connections (a server
     /// thousands of ranks connect to at once drops some) until `timeout`; `timeout` also bounds
@@ -66,7 +76,8 @@ impl StoreClient {
                 Ok(c) => return Ok(c),
                 Err(e)
                     if Instant::now() + pause < deadline
-                        && e.kind() != io::ErrorKind::InvalidInput =>
+                        && e.kind() != io::ErrorKind::InvalidInput
+                        && !is_own_shortage(&e) =>
                 {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_secs(1));
@@ -474,6 +485,10 @@ impl Heartbeat {
                         _ => client = None,
                     }
                 }
+            })
+            .map_err(|e| {
+                let why = format!("could not start a thread ({e}): a limit on threads or memory");
+                io::Error::new(io::ErrorKind::OutOfMemory, why)
             })?;
         Ok(Heartbeat {
             shared,

@@ -160,8 +160,12 @@ pub(crate) struct Heartbeat {
 }
 
 impl Heartbeat {
-    /// `renew` renews the lease and returns whether it is still ours.
-    pub(crate) fn start(every: Duration, mut renew: impl FnMut() -> bool + Send + 'static) -> Self {
+    /// `renew` renews the lease and returns whether it is still ours. Fails where no thread can
+    /// be started (a limit on threads or memory).
+    pub(crate) fn start(
+        every: Duration,
+        mut renew: impl FnMut() -> bool + Send + 'static,
+    ) -> Result<Self> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let lost = Arc::new(AtomicBool::new(false));
         let (s, l) = (stop.clone(), lost.clone());
@@ -180,8 +184,12 @@ impl Heartbeat {
                     return;
                 }
             })
-            .ok();
-        Heartbeat { stop, lost, thread }
+            .map_err(CoreError::no_thread)?;
+        Ok(Heartbeat {
+            stop,
+            lost,
+            thread: Some(thread),
+        })
     }
 
     pub(crate) fn stop(&mut self) {
@@ -194,6 +202,19 @@ impl Heartbeat {
     }
 }
 
+/// Where `path` leads: itself, or what the symbolic link at `path` names (followed through at
+/// most 40 links, as the kernel does).
+fn link_target(path: &Path) -> PathBuf {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match fs::read_link(&p) {
+            Ok(next) => p = p.parent().unwrap_or(Path::new("")).join(next),
+            Err(_) => break,
+        }
+    }
+    p
+}
+
 /// One save into a checkpoint on some storage, from the lease to the commit (or the abort).
 pub struct SaveTxn {
     storage: Arc<dyn Storage>,
@@ -201,6 +222,8 @@ pub struct SaveTxn {
     token: String,
     /// The committed manifest's version when the save began (`None`: there was none).
     replaces: Option<Version>,
+    /// The lease's version as this save last wrote it.
+    lease: Arc<Mutex<Version>>,
     heartbeat: Heartbeat,
     finished: bool,
 }
@@ -209,16 +232,28 @@ impl SaveTxn {
     /// Begins a save into directory `dir` (made if missing; anything else at that path is
     /// refused). See [`SaveTxn::begin_on`].
     pub fn begin(dir: &Path, opts: SaveOptions) -> Result<Self> {
-        match fs::metadata(dir) {
-            Ok(md) if !md.is_dir() => {
+        let found = match fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // A symbolic link made before its target (`ln -s /scratch/run1 ckpt`): the
+                // target is made.
+                fsops::create_dir_all(&link_target(dir)).and_then(|()| fs::metadata(dir))
+            }
+            found => found,
+        };
+        match found {
+            Ok(md) if md.is_dir() => {}
+            Ok(_) => {
                 return Err(CoreError::InvalidArgument(format!(
                     "{}: exists and is not a directory",
                     dir.display()
                 )))
             }
-            Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fsops::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?
+                return Err(CoreError::InvalidArgument(format!(
+                    "{}: cannot make the checkpoint directory: a symbolic link on its path leads \
+                     nowhere ({e})",
+                    dir.display()
+                )))
             }
             Err(e) => return Err(CoreError::io(dir, e)),
         }
@@ -232,24 +267,33 @@ impl SaveTxn {
     pub fn begin_on(storage: Arc<dyn Storage>, opts: SaveOptions) -> Result<Self> {
         let save_id = new_save_id()?;
         let token = owner_token(&save_id, opts.lease_timeout);
-        let mut version = acquire(&*storage, &token, opts.lease_timeout)?;
+        let lease = Arc::new(Mutex::new(acquire(&*storage, &token, opts.lease_timeout)?));
         let every = (opts.lease_timeout / 4).max(Duration::from_millis(100));
         let heartbeat = {
-            let (storage, token) = (storage.clone(), token.clone());
+            let (storage, token, lease) = (storage.clone(), token.clone(), lease.clone());
             Heartbeat::start(every, move || {
+                let version = lease.lock().unwrap().clone();
                 match storage.touch_if(LEASE_NAME, token.as_bytes(), &version) {
-                    Ok(Some(v)) => version = v,
+                    Ok(Some(v)) => *lease.lock().unwrap() = v,
                     Ok(None) => return false,
                     Err(_) => {} // tried again next beat
                 }
                 true
             })
         };
+        let heartbeat = match heartbeat {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = storage.delete(LEASE_NAME);
+                return Err(e);
+            }
+        };
         let mut txn = SaveTxn {
             storage,
             save_id,
             token,
             replaces: None,
+            lease,
             heartbeat,
             finished: false,
         };
@@ -433,7 +477,13 @@ impl SaveTxn {
 
     fn release(&mut self) {
         self.heartbeat.stop();
-        if self.holds_lease().unwrap_or(false) {
+        // Where the lease cannot be read (no file descriptor left), its version tells whether it
+        // is still the one this save wrote: a `stat` needs no descriptor.
+        let ours = self.holds_lease().unwrap_or_else(|_| {
+            let version = self.lease.lock().unwrap();
+            matches!(self.storage.head(LEASE_NAME), Ok(Some(h)) if h.version == *version)
+        });
+        if ours {
             let _ = self.storage.delete(LEASE_NAME);
         }
     }

@@ -284,11 +284,15 @@ impl PyManifest {
         let done = AtomicU64::new(0);
         let caller = std::thread::current();
         let (verified, failed) = std::thread::scope(|s| {
-            let job = s.spawn(|| {
+            let job = std::thread::Builder::new().spawn_scoped(s, || {
                 let r = core::verify_from(&*storage, &m, workers, Some(&done));
                 caller.unpark();
                 r
             });
+            let job = match job {
+                Ok(job) => job,
+                Err(e) => return (Err(CoreError::no_thread(e)), None),
+            };
             let (mut shown, mut failed) = (0, None);
             let mut report = |now: u64| {
                 if now > shown && failed.is_none() {
@@ -1325,8 +1329,25 @@ impl PySaveTransaction {
 }
 
 /// A store call's I/O error as the Python builtin a caller expects: `TimeoutError` when the
-/// server did not answer within the client's timeout, `ConnectionError` otherwise.
+/// server did not answer within the client's timeout, `ConnectionError` otherwise; this process's
+/// own shortage of file descriptors or memory is a `StorageError` saying so (the store is fine).
 fn store_err(e: std::io::Error) -> PyErr {
+    if core::rendezvous::is_own_shortage(&e) {
+        let why = format!(
+            "could not reach the rendezvous store: {e}: this process is out of file descriptors \
+             (ulimit -n), memory or threads"
+        );
+        return Python::attach(|py| {
+            let source = std::io::Error::new(e.kind(), why);
+            to_pyerr(
+                py,
+                CoreError::Io {
+                    path: "olmo-chunks".into(),
+                    source,
+                },
+            )
+        });
+    }
     match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
             pyo3::exceptions::PyTimeoutError::new_err(format!(
