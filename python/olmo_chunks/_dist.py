@@ -541,6 +541,10 @@ class Group:
                    root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
         if failure is not None:
             self._publish(key, ("fail", (f"rank 0 failed: {_describe(failure)}", 0, False, None)))
+            # Hear out the ranks still working: what the caller cleans up after its own failure (the
+            # save's data) must not be removed under their writes (they would report a missing file).
+            with contextlib.suppress(RankFailedError):
+                self._arrivals(key, everyone=True)
             raise failure
         results: list[Any] = [mine] + [None] * (self.size - 1)
         try:

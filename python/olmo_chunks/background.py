@@ -48,6 +48,7 @@ class _Slot:
     def __init__(self) -> None:
         self.future: Future[None] | None = None
         self.pool: torch.Tensor | None = None
+        self.lock = threading.Lock()
 
     def buffer(self, want: int, cap: int, pinned: bool) -> torch.Tensor:
         """A staging buffer of at least `min(want, cap)` bytes, kept for later saves (grown, or
@@ -62,6 +63,24 @@ class _Slot:
 
 _slots: dict[str, _Slot] = {}
 _threads: set[threading.Thread] = set()
+
+
+def _forget_parents_saves() -> None:
+    """In a forked child: the parent's saves in flight (and their threads) are not the child's."""
+    _slots.clear()
+    _threads.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_saves)
+
+
+def settle(process_group: dist.ProcessGroup | None) -> None:
+    """Waits for the async save in flight on `process_group`, if any (`save` does, first)."""
+    slot = _slots.get(_group_key(process_group))
+    if slot is not None:
+        with slot.lock:
+            if slot.future is not None:
+                _wait(slot.future)
 
 
 def async_save(
@@ -85,58 +104,60 @@ def async_save(
     failed it on any rank (the checkpoint that was at `path` then stays). A new call on the same
     process group first waits for the previous one; interpreter exit waits for the last one."""
     slot = _slots.setdefault(_group_key(process_group), _Slot())
-    if slot.future is not None:
-        _wait(slot.future)
-    t0 = time.perf_counter()
-    group = Group(process_group, peer_timeout, "async_save")
-    try:  # a bad path on one rank fails every rank at once, as in `save`
-        steps = SaveSteps(group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size,
-                          workers=workers, compression=(compression, compression_level))
-    except BaseException as exc:
-        group.fail(exc)
-        raise
-    def abandon(exc: BaseException) -> None:
-        steps.__exit__(None, None, None)
-        steps.group.fail(exc)
-
-    try:
-        chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
-        batch = _stage(steps, chunks, slot, pool_bytes)
-    except BaseException as exc:
-        abandon(exc)
-        raise
-    future: Future[None] = Future()
-    future.set_running_or_notify_cancel()
-    slot.future = future
-
-    def write() -> list[_core.WrittenChunk]:
-        if batch:
-            steps.session.write_file(batch)
-        return steps.session.written
-
-    def finish() -> None:
-        try:
-            with steps.group, steps:
-                steps.group.use_this_thread()
-                steps.lease()
-                steps.commit(write)
-            steps.log(t0)
-            future.set_result(None)
+    with slot.lock:  # held until this save is under way: two threads' calls must not share the pool
+        if slot.future is not None:
+            _wait(slot.future)
+        t0 = time.perf_counter()
+        group = Group(process_group, peer_timeout, "async_save")
+        try:  # a bad path on one rank fails every rank at once, as in `save`
+            steps = SaveSteps(group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size,
+                              workers=workers, compression=(compression, compression_level))
         except BaseException as exc:
-            future.set_exception(exc if isinstance(exc, OlmoChunksError) else _wrapped(exc))
-        finally:
-            _threads.discard(threading.current_thread())
+            group.fail(exc)
+            raise
 
-    thread = threading.Thread(target=finish, name="olmo-chunks-async-save")
-    _threads.add(thread)  # before it starts: it removes itself as it ends
-    try:
-        start_thread(thread)
-    except BaseException as exc:
-        _threads.discard(thread)
-        slot.future = None
-        abandon(exc)
-        raise
-    return future
+        def abandon(exc: BaseException) -> None:
+            steps.__exit__(None, None, None)
+            steps.group.fail(exc)
+
+        try:
+            chunks = steps.plan(state_dict, defer_lease_within=pool_bytes)
+            batch = _stage(steps, chunks, slot, pool_bytes)
+        except BaseException as exc:
+            abandon(exc)
+            raise
+        future: Future[None] = Future()
+        future.set_running_or_notify_cancel()
+        slot.future = future
+
+        def write() -> list[_core.WrittenChunk]:
+            if batch:
+                steps.session.write_file(batch)
+            return steps.session.written
+
+        def finish() -> None:
+            try:
+                with steps.group, steps:
+                    steps.group.use_this_thread()
+                    steps.lease()
+                    steps.commit(write)
+                steps.log(t0)
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc if isinstance(exc, OlmoChunksError) else _wrapped(exc))
+            finally:
+                _threads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=finish, name="olmo-chunks-async-save")
+        _threads.add(thread)  # before it starts: it removes itself as it ends
+        try:
+            start_thread(thread)
+        except BaseException as exc:
+            _threads.discard(thread)
+            slot.future = None
+            abandon(exc)
+            raise
+        return future
 
 
 def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: int) -> list[ChunkItem]:

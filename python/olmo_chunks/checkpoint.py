@@ -174,7 +174,12 @@ def save(
     `compression_level` (default 3), byte-shuffled first where that helps; blocks that do not shrink
     stay raw (`docs/FORMAT.md`, "Compressed chunks"). A rank holds the compressed bytes of each
     data file in memory (at most its raw size) until they are written.
+
+    An `async_save` of this process on the same process group still in flight is waited for first.
     """
+    from . import background  # (it builds on this module)
+
+    background.settle(process_group)
     t0 = time.perf_counter()
     with Group(process_group, peer_timeout, "save") as group, SaveSteps(
             group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size, workers=workers,
@@ -262,14 +267,25 @@ class SaveSteps:
     def commit(self, write: Callable[[], list[_core.WrittenChunk]]) -> None:
         """Runs `write` (this rank's share) on every rank; rank 0 then commits the manifest."""
 
+        after: list[BaseException] = []
+
         def commit(all_written: list[list[_core.WrittenChunk]]) -> None:
             self.nbytes = sum(c.nbytes for written in all_written for c in written)
             info = {"writer": "olmo_chunks", "world_size": self.group.size, **(self.info or {})}
-            self.session.commit(self._plan["schema"], itertools.chain(*all_written), self._plan["entries"], info,
-                                ready=self.group.check_awake)
+            try:
+                self.session.commit(self._plan["schema"], itertools.chain(*all_written), self._plan["entries"], info,
+                                    ready=self.group.check_awake)
+            except BaseException as exc:
+                if not self.session.committed:
+                    raise
+                # Committed, then interrupted (a KeyboardInterrupt as the commit returned): the
+                # others are told the save committed, which it did; this rank raises it after.
+                after.append(exc)
 
         try:
             self.group.exchange(write, commit)
+            if after:
+                raise after[0]
         except RankFailedError as exc:
             if not (exc.dead and exc.rank == 0 and self.session.save_id and self._committed()):
                 raise

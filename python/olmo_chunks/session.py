@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +55,17 @@ def _staged(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """SIGINT held back from this thread (and from those it starts) while the body runs: a Ctrl-C
+    then raises `KeyboardInterrupt` right after it, not between two of its statements."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 class SaveSession:
     """This rank's part of one save into `target`: the data files it writes under `save_id` and,
     on the coordinator (after `begin`), the transaction it commits.
@@ -79,7 +91,7 @@ class SaveSession:
         self.parts = 0
         self._pending: list[ChunkItem] = []
         self._held = 0
-        self._writing: tuple[threading.Thread, list[BaseException], torch.Tensor | None] | None = None
+        self._writing: tuple[threading.Event, list[BaseException], torch.Tensor | None] | None = None
         self._spare: torch.Tensor | None = None  # the staging buffer no write is using
 
     def begin(self, overwrite: bool, lease_timeout: float | None = None) -> str:
@@ -124,16 +136,19 @@ class SaveSession:
         staged, buffer = self._stage(batch)
         self._wait()
         errors: list[BaseException] = []
+        done = threading.Event()
 
         def write() -> None:
             try:
                 self.write_file(staged)
             except BaseException as exc:  # raised in the caller's thread by `_wait`
                 errors.append(exc)
+            finally:
+                done.set()
 
-        thread = threading.Thread(target=write, name="olmo-chunks-save-write")
-        start_thread(thread)
-        self._writing = (thread, errors, buffer)
+        with _interrupts_deferred():  # a write begun is waited for: `_writing` must name it
+            start_thread(threading.Thread(target=write, name="olmo-chunks-save-write"))
+            self._writing = (done, errors, buffer)
 
     def _stage(self, batch: list[ChunkItem]) -> tuple[list[ChunkItem], torch.Tensor | None]:
         """`batch` with its accelerator and non-contiguous tensors copied into one host buffer
@@ -169,14 +184,23 @@ class SaveSession:
             self._wait()
 
     def _wait(self) -> None:
-        """Waits for the write in flight, keeps its buffer for the next file, raises its error."""
+        """Waits for the write in flight, keeps its buffer for the next file, raises its error.
+        A `KeyboardInterrupt` meanwhile is raised once the write has ended: the save must not be
+        abandoned (its files removed, the interpreter finalised) while the core still writes."""
         if self._writing is None:
             return
-        thread, errors, buffer = self._writing
-        thread.join()
+        done, errors, buffer = self._writing
+        interrupted: BaseException | None = None
+        while not done.is_set():
+            try:
+                done.wait()
+            except KeyboardInterrupt as exc:  # (a `Thread.join` it interrupted takes the thread for ended)
+                interrupted = exc
         self._writing = None
         if buffer is not None and (self._spare is None or buffer.numel() > self._spare.numel()):
             self._spare = buffer
+        if interrupted is not None:
+            raise interrupted
         if errors:
             raise errors[0]
 
@@ -210,6 +234,11 @@ class SaveSession:
             *encoded,
             ready,
         )
+
+    @property
+    def committed(self) -> bool:
+        """Whether this rank committed the save (the coordinator's `commit` published its manifest)."""
+        return self.txn is not None and self.txn.committed
 
     def abort(self) -> None:
         """Abandons the save if it was begun here and not committed (a no-op after the commit),

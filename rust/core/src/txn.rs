@@ -226,6 +226,8 @@ pub struct SaveTxn {
     lease: Arc<Mutex<Version>>,
     heartbeat: Heartbeat,
     finished: bool,
+    /// Its manifest was published.
+    committed: bool,
 }
 
 impl SaveTxn {
@@ -296,6 +298,7 @@ impl SaveTxn {
             lease,
             heartbeat,
             finished: false,
+            committed: false,
         };
         txn.prepare(opts.overwrite)?;
         Ok(txn)
@@ -330,6 +333,12 @@ impl SaveTxn {
         }
         remove_leftover_files(s);
         Ok(())
+    }
+
+    /// Whether this save's manifest was published (by [`SaveTxn::commit`], whatever befell
+    /// its caller after).
+    pub fn is_committed(&self) -> bool {
+        self.committed
     }
 
     pub fn save_id(&self) -> &str {
@@ -400,7 +409,7 @@ impl SaveTxn {
                 }
             }
         }
-        self.finished = true;
+        (self.finished, self.committed) = (true, true);
         let id = self.save_id.clone();
         if let Ok(saves) = Saves::list(&*self.storage) {
             saves.remove(&*self.storage, |other| other != id);

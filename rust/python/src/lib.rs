@@ -1260,6 +1260,12 @@ impl PySaveTransaction {
         &self.save_id
     }
 
+    /// Whether `commit` published the manifest (a `KeyboardInterrupt` may have come as it returned).
+    #[getter]
+    fn committed(&self) -> bool {
+        self.inner.lock().unwrap().is_committed()
+    }
+
     /// Assembles the manifest from `tensors` (every tensor of the save) and `chunks` (what every
     /// rank wrote), checks it as every reader does (and exact coverage), commits it atomically and
     /// removes the data of the saves it supersedes. `ready()`, if given, is called last before
