@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import reprlib
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -177,9 +178,9 @@ def save(
 
     An `async_save` of this process on the same process group still in flight is waited for first.
     """
-    from . import background  # (it builds on this module)
-
-    background.settle(process_group)
+    background = sys.modules.get(f"{__package__}.background")  # none in flight if it was never imported
+    if background is not None:
+        background.settle(process_group)
     t0 = time.perf_counter()
     with Group(process_group, peer_timeout, "save") as group, SaveSteps(
             group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size, workers=workers,
