@@ -476,13 +476,16 @@ class Group:
         root: Callable[[list[Any]], Any] | None = None,
         *,
         scatter: bool = False,
+        hear_out: bool = False,
     ) -> tuple[Any, Any]:
         """Runs `local()` on every rank, hands the results (in rank order) to `root(results)` on rank
         0 and returns `(local result, root result)` on every rank; with `scatter`, `root` returns one
         item per rank and each rank gets its own. If anything failed anywhere, every rank raises:
         the original exception where it happened, `RankFailedError` naming the rank elsewhere; an
         error of `root` (the step's outcome: ranks disagreeing on arguments, a locked path) is
-        raised as itself on every rank."""
+        raised as itself on every rank. With `hear_out` (for a `local` that runs no collective),
+        rank 0 whose own `local` failed waits for the others' to end before it raises: what its
+        caller then cleans up (a save's data) is not removed under their writes."""
         self.seq += 1
         if self.size == 1:
             if self.bad is not None:
@@ -499,17 +502,17 @@ class Group:
             except BaseException as exc:
                 failure = exc
         try:
-            out = self._step(key, mine, failure, root, scatter)
+            out = self._step(key, mine, failure, root, scatter, hear_out)
         except BaseException:
             self.told = True  # this step told the others, or they failed first
             raise
         return mine, out
 
     def _step(self, key: str, mine: Any, failure: BaseException | None,
-              root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
+              root: Callable[[list[Any]], Any] | None, scatter: bool, hear_out: bool) -> Any:
         try:
             if self.rank == 0:
-                return self._root_side(key, mine, failure, root, scatter)
+                return self._root_side(key, mine, failure, root, scatter, hear_out)
             return self._peer_side(key, mine if root else None, failure, scatter)
         except RankFailedError as exc:
             self._note_dead(exc)
@@ -538,13 +541,12 @@ class Group:
     # -- both sides ----------------------------------------------------------------------------
 
     def _root_side(self, key: str, mine: Any, failure: BaseException | None,
-                   root: Callable[[list[Any]], Any] | None, scatter: bool) -> Any:
+                   root: Callable[[list[Any]], Any] | None, scatter: bool, hear_out: bool) -> Any:
         if failure is not None:
             self._publish(key, ("fail", (f"rank 0 failed: {_describe(failure)}", 0, False, None)))
-            # Hear out the ranks still working: what the caller cleans up after its own failure (the
-            # save's data) must not be removed under their writes (they would report a missing file).
-            with contextlib.suppress(RankFailedError):
-                self._arrivals(key, everyone=True)
+            if hear_out:
+                with contextlib.suppress(RankFailedError):
+                    self._arrivals(key, everyone=True)
             raise failure
         results: list[Any] = [mine] + [None] * (self.size - 1)
         try:

@@ -284,7 +284,7 @@ class SaveSteps:
                 after.append(exc)
 
         try:
-            self.group.exchange(write, commit)
+            self.group.exchange(write, commit, hear_out=True)
             if after:
                 raise after[0]
         except RankFailedError as exc:
