@@ -491,7 +491,9 @@ def test_a_save_fails_within_about_one_retry_budget_of_its_server_dying(monkeypa
         killer.join(60)
         server.close()
     print(f"\nserver killed mid-save, budget 10 s: the save failed {took:.1f} s later")
-    assert took < 10 + 5 * 1 + 2
+    # The upload's own failure takes up to a budget from its first try, the cleanup 4-5 requests of
+    # 1 s; 5.6-13.9 s on a quiet machine, 17.5 s in a loaded CI run.
+    assert took < 10 + 5 * 1 + 5
 
 
 def _save_v2_through(s3: Any, url: str, fault: str, linger: float = 0.0) -> str:

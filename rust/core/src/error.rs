@@ -77,6 +77,17 @@ pub enum CoreError {
 
 pub type Result<T> = std::result::Result<T, CoreError>;
 
+/// Whether `e` is this process's own shortage (of file descriptors, memory or threads), which
+/// waiting does not mend: a store connection that fails so is not the store's host gone, and a
+/// file that cannot be opened so is not missing.
+pub fn is_own_shortage(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::OutOfMemory
+        || matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOBUFS)
+        )
+}
+
 impl CoreError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
         CoreError::Io {

@@ -20,6 +20,8 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::error::is_own_shortage;
+
 const VALIDATE: u8 = 0;
 const SET: u8 = 1;
 const GET: u8 = 3;
@@ -52,16 +54,6 @@ fn timed_out(e: &io::Error) -> bool {
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
     )
-}
-
-/// Whether `e` is this process's own shortage (of file descriptors, memory or threads), which
-/// waiting for the store does not mend: a connection that fails so is not the store's host gone.
-pub fn is_own_shortage(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::OutOfMemory
-        || matches!(
-            e.raw_os_error(),
-            Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOBUFS)
-        )
 }
 
 impl StoreClient {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
-use crate::error::{CoreError, Result};
+use crate::error::{is_own_shortage, CoreError, Result};
 use crate::fsops;
 use crate::load::check_manifest_coverage;
 use crate::manifest::{Manifest, MANIFEST_NAME};
@@ -486,12 +486,16 @@ impl SaveTxn {
 
     fn release(&mut self) {
         self.heartbeat.stop();
-        // Where the lease cannot be read (no file descriptor left), its version tells whether it
-        // is still the one this save wrote: a `stat` needs no descriptor.
-        let ours = self.holds_lease().unwrap_or_else(|_| {
-            let version = self.lease.lock().unwrap();
-            matches!(self.storage.head(LEASE_NAME), Ok(Some(h)) if h.version == *version)
-        });
+        let ours = match self.holds_lease() {
+            Ok(ours) => ours,
+            // No file descriptor left to read it: its version tells whether it is still the one
+            // this save wrote (a `stat` needs none).
+            Err(CoreError::Io { source, .. }) if is_own_shortage(&source) => {
+                let version = self.lease.lock().unwrap();
+                matches!(self.storage.head(LEASE_NAME), Ok(Some(h)) if h.version == *version)
+            }
+            Err(_) => false,
+        };
         if ours {
             let _ = self.storage.delete(LEASE_NAME);
         }

@@ -1338,7 +1338,7 @@ impl PySaveTransaction {
 /// server did not answer within the client's timeout, `ConnectionError` otherwise; this process's
 /// own shortage of file descriptors or memory is a `StorageError` saying so (the store is fine).
 fn store_err(e: std::io::Error) -> PyErr {
-    if core::rendezvous::is_own_shortage(&e) {
+    if core::error::is_own_shortage(&e) {
         let why = format!(
             "could not reach the rendezvous store: {e}: this process is out of file descriptors \
              (ulimit -n), memory or threads"
