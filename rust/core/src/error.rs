@@ -88,6 +88,15 @@ pub fn is_own_shortage(e: &io::Error) -> bool {
         )
 }
 
+/// `e` of a thread that could not be started, saying so: an own shortage ([`is_own_shortage`]).
+pub fn no_thread(e: io::Error) -> io::Error {
+    let why = format!(
+        "could not start a thread ({e}): the process is at a limit on threads or memory (ulimit \
+         -u, a container's pids.max, ulimit -v)"
+    );
+    io::Error::new(io::ErrorKind::OutOfMemory, why)
+}
+
 impl CoreError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
         CoreError::Io {
@@ -97,11 +106,7 @@ impl CoreError {
     }
     /// The error for a thread that could not be started (a limit on threads or memory).
     pub fn no_thread(e: io::Error) -> Self {
-        let why = format!(
-            "could not start a thread ({e}): the process is at a limit on threads or memory \
-             (ulimit -u, a container's pids.max, ulimit -v)"
-        );
-        CoreError::io("olmo-chunks", io::Error::new(e.kind(), why))
+        CoreError::io("olmo-chunks", no_thread(e))
     }
     pub(crate) fn layout(key: &str, reason: impl Into<String>) -> Self {
         CoreError::Layout {

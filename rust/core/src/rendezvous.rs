@@ -20,7 +20,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::error::is_own_shortage;
+use crate::error::{is_own_shortage, no_thread};
 
 const VALIDATE: u8 = 0;
 const SET: u8 = 1;
@@ -478,10 +478,7 @@ impl Heartbeat {
                     }
                 }
             })
-            .map_err(|e| {
-                let why = format!("could not start a thread ({e}): a limit on threads or memory");
-                io::Error::new(io::ErrorKind::OutOfMemory, why)
-            })?;
+            .map_err(no_thread)?;
         Ok(Heartbeat {
             shared,
             thread: Mutex::new(Some((thread, ended))),
