@@ -382,3 +382,24 @@ def test_waiting_ranks_look_less_often_in_large_groups() -> None:
     assert interval(4096) == pytest.approx(4.096)
     assert 4096 * 4 / interval(4096) <= 4000.0 + 1e-6
     assert interval(4, peer_timeout=1.0) == 0.25 and interval(4096, peer_timeout=8.0) == 2.0
+
+
+def _world_or_none(rank: int, path: str) -> bool:
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD if rank == 1 else None
+    olmo_chunks.save(full_state(rank, 2, 1), path, overwrite=True, process_group=pg, peer_timeout=PEER_TIMEOUT)
+    olmo_chunks.async_save(full_state(rank, 2, 2), path, overwrite=True, process_group=pg,
+                           peer_timeout=PEER_TIMEOUT).result()
+    sd = _zeros(rank, 2)
+    olmo_chunks.load(sd, path, process_group=pg, peer_timeout=PEER_TIMEOUT)
+    return torch.equal(sd["w"], full_state(rank, 2, 2)["w"])
+
+
+def test_none_and_the_world_group_are_one_group(tmp_path):
+    # Both name the default group, as for torch's collectives (they waited for each other in
+    # different store keys until the arrival timeout).
+    path = str(tmp_path / "ckpt")
+    results = run_raw(2, _world_or_none, path, timeout=60)
+    assert [r and r[:2] for r in results] == [("ok", True), ("ok", True)], results
+    assert holds(path, 2, 2)

@@ -58,7 +58,7 @@ from .errors import (
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "rank_and_size"]
+__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "group_name", "rank_and_size"]
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
@@ -372,6 +372,16 @@ def rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (dist.get_rank(process_group), dist.get_world_size(process_group)) if active else (0, 1)
 
 
+def group_name(process_group: dist.ProcessGroup | None) -> str:
+    """The name under which `process_group`'s operations meet in the store: `None` is the default
+    group, as for torch's collectives (ranks passing `None` and `dist.group.WORLD` meet)."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return "default"
+        process_group = dist.distributed_c10d._get_default_group()
+    return str(getattr(process_group, "group_name", id(process_group)))
+
+
 class Group:
     """The ranks of one collective save or load (a lone process when torch.distributed is not
     initialised). Ranks call `exchange` the same number of times, in the same order, and `close`
@@ -401,7 +411,7 @@ class Group:
         if self.size == 1:
             return
         self.arrival_timeout = _arrival_timeout(process_group)
-        name = "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
+        name = group_name(process_group)
         with _calls_lock:
             call = _calls[name] = _calls.get(name, 0) + 1
         self.prefix = f"olmo_chunks/{name}/{call}"

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from ._dist import DEFAULT_PEER_TIMEOUT, Group
+from ._dist import DEFAULT_PEER_TIMEOUT, Group, group_name
 from .checkpoint import SaveSteps
 from .errors import OlmoChunksError, start_thread
 from .session import staging_bytes
@@ -76,7 +76,7 @@ os.register_at_fork(after_in_child=_forget_parents_saves)
 
 def settle(process_group: dist.ProcessGroup | None) -> None:
     """Waits for the async save in flight on `process_group`, if any (`save` does, first)."""
-    slot = _slots.get(_group_key(process_group))
+    slot = _slots.get(group_name(process_group))
     if slot is not None:
         with slot.lock:
             if slot.future is not None:
@@ -103,7 +103,7 @@ def async_save(
     `result()` returns when the checkpoint is committed, or raises the `OlmoChunksError` that
     failed it on any rank (the checkpoint that was at `path` then stays). A new call on the same
     process group first waits for the previous one; interpreter exit waits for the last one."""
-    slot = _slots.setdefault(_group_key(process_group), _Slot())
+    slot = _slots.setdefault(group_name(process_group), _Slot())
     with slot.lock:  # held until this save is under way: two threads' calls must not share the pool
         if slot.future is not None:
             _wait(slot.future)
@@ -198,10 +198,6 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: i
     if stream is not None:
         stream.synchronize()
     return batch
-
-
-def _group_key(process_group: dist.ProcessGroup | None) -> str:
-    return "default" if process_group is None else str(getattr(process_group, "group_name", id(process_group)))
 
 
 def _wait(future: Future[None]) -> None:
