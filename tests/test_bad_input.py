@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +376,7 @@ def test_dtypes_the_format_lacks_are_refused_before_anything_is_written(ckpt: Pa
     ({"compression": "zstd", "compression_level": -(2**40)}, r"compression_level=-1099511627776: expected"),
     ({"info": 5}, r"info must be a mapping, got int"),
     ({"roles": ["w"]}, r"roles must be a mapping, got list"),
+    ({"roles": {"model": "exp_avgsq"}}, r"roles\['model'\]='exp_avgsq': expected one of main_weight, exp_avg, "),
 ])
 @pytest.mark.parametrize("how", ["save", "async_save"])
 def test_bad_save_arguments_are_invalid_argument_errors(ckpt: Path, how: str, kwargs: dict, message: str):
@@ -526,3 +529,43 @@ def test_a_bucket_name_with_a_character_no_bucket_has_is_refused(bucket: str):
     # A blank or control character was a panic; '#' and '?' sent requests to the bucket's root.
     with pytest.raises(InvalidArgumentError, match="a bucket name holds only letters, digits"):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/x")
+
+
+def test_an_unknown_role_is_refused_by_every_door(ckpt: Path, tmp_path: Path):
+    # It was saved as written (a checkpoint that then loaded only with the same misspelling).
+    from olmo_chunks.dcp import ChunkStoreWriter, import_dcp
+
+    message = r"roles\['model.w'\]='weights': expected one of main_weight, exp_avg, exp_avg_sq, optimizer_state, "
+    with pytest.raises(InvalidArgumentError, match=message):
+        olmo_chunks.load(state(1), ckpt, roles={"model.w": "weights"})
+    with pytest.raises(InvalidArgumentError, match=message):
+        ChunkStoreWriter(tmp_path / "dcp", roles={"model.w": "weights"})
+    with pytest.raises(InvalidArgumentError, match=message):
+        import_dcp(tmp_path / "nowhere", tmp_path / "out", roles={"model.w": "weights"})
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("OLMO_CHUNKS_STAGING_BYTES", "512Mb?"), ("OLMO_CHUNKS_STAGING_BYTES", "0"), ("OLMO_CHUNKS_POOL_BYTES", "-5"),
+    ("OLMO_CHUNKS_POOL_BYTES", "lots"), ("OLMO_CHUNKS_ARRIVAL_TIMEOUT", "nan"), ("OLMO_CHUNKS_STORAGE_GBPS", "inf"),
+])
+def test_environment_settings_are_checked(name: str, value: str, monkeypatch):
+    # They were read with int() or float() (a raw ValueError for 512M, and 0 or -5 taken as they were).
+    from olmo_chunks import _dist, rates
+
+    monkeypatch.setenv(name, value)
+    message = f"{name}='{value}': expected a "
+    if name.endswith("_BYTES"):  # read as fill and background are imported: at the first save or load
+        module, constant = ("fill", "STAGING_BYTES") if "STAGING" in name else ("background", "DEFAULT_POOL_BYTES")
+        run = subprocess.run([sys.executable, "-c", f"import olmo_chunks.{module}"], capture_output=True, text=True)
+        assert run.returncode == 1 and f"InvalidArgumentError: {message}" in run.stderr, run.stderr
+        monkeypatch.setenv(name, "512M")
+        run = subprocess.run([sys.executable, "-c", f"from olmo_chunks import {module} as m; print(m.{constant})"],
+                             capture_output=True, text=True)
+        assert run.stdout.split() == [str(512 << 20)], run.stderr
+        return
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        if name == "OLMO_CHUNKS_ARRIVAL_TIMEOUT":
+            _dist._arrival_timeout(None)
+        else:
+            rates.storage_rate("/tmp")

@@ -51,6 +51,7 @@ from .errors import (
     OlmoChunksError,
     RankFailedError,
     StorageError,
+    env_setting,
     named_error,
     shared_form,
     start_thread,
@@ -286,9 +287,9 @@ def _process_link(peer_timeout: float) -> _Link:
 
 
 def _arrival_timeout(process_group: dist.ProcessGroup | None) -> float:
-    env = os.environ.get("OLMO_CHUNKS_ARRIVAL_TIMEOUT")
+    env = env_setting("OLMO_CHUNKS_ARRIVAL_TIMEOUT", 0.0, float)
     if env:
-        return float(env)
+        return env
     try:
         return dist.distributed_c10d._get_default_timeout(dist.get_backend(process_group)).total_seconds()
     except Exception:

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group, group_name
 from .checkpoint import SaveSteps
-from .errors import OlmoChunksError, start_thread
+from .errors import OlmoChunksError, env_setting, parse_bytes, start_thread
 from .session import staging_bytes
 from .shards import ChunkItem
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
 
 # Host memory kept for staging async saves, per process group.
-DEFAULT_POOL_BYTES = int(os.environ.get("OLMO_CHUNKS_POOL_BYTES", 4 << 30))
+DEFAULT_POOL_BYTES = env_setting("OLMO_CHUNKS_POOL_BYTES", 4 << 30, parse_bytes)
 _ALIGN = 64
 
 

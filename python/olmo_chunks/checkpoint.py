@@ -27,7 +27,7 @@ from .errors import (
 )
 from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode, check_workers
 from .location import checkpoint_location
-from .roles import resolve_role
+from .roles import check_roles, resolve_role
 from .session import SaveSession, staging_bytes, zstd_level
 from .shards import ChunkItem, TensorShard, describe, dtype_name, is_dense, region_numel, torch_dtype
 from .tree import TRAINER_PREFIX, TRAINER_RNG_PREFIX, Leaf, flatten
@@ -246,9 +246,9 @@ class SaveSteps:
         return [local["chunks"][i] for i in mine]
 
     def _check_args(self) -> None:
-        for name, value in (("roles", self.roles), ("info", self.info)):
-            if value is not None and not isinstance(value, Mapping):
-                raise InvalidArgumentError(f"{name} must be a mapping, got {type(value).__name__}")
+        check_roles(self.roles)
+        if self.info is not None and not isinstance(self.info, Mapping):
+            raise InvalidArgumentError(f"info must be a mapping, got {type(self.info).__name__}")
         check_int("block_size", self.session.block_size, 1, 2**64 - 1)  # the core caps it
         check_workers(self.session.workers)
 
@@ -361,7 +361,7 @@ def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: s
     mismatched; `MismatchError` if `strict`), its fills, leaves and the checkpoint's plain
     values."""
     leaves = flatten(state_dict)
-    shards = _describe_all(leaves, roles)
+    shards = _describe_all(leaves, check_roles(roles))
     saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
     entries = values.entries(manifest)
     report = LoadReport()

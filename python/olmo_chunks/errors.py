@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T", int, float)
 
 __all__ = [
     "CheckpointExistsError",
@@ -128,6 +134,36 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     (never the `OverflowError` or `TypeError` the core's conversion of it would raise)."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise InvalidArgumentError(f"{name}={value!r}: expected a whole number from {lo} to {hi}")
+    return value
+
+
+def parse_bytes(text: str | int) -> int:
+    """`1073741824`, `512M`, `1G`, `64MiB` -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise InvalidArgumentError(f"cannot read {text!r} as a byte count")
+    scale = 1024 ** ("KMGT".find(m.group(2).upper()) + 1) if m.group(2) else 1
+    n = float(m.group(1)) * scale
+    if n >= 2**63:
+        raise InvalidArgumentError(f"{text!r} is too many bytes (at most 8 EiB)")
+    return int(n)
+
+
+def env_setting(name: str, default: T, read: Callable[[str], T]) -> T:
+    """Environment variable `name` read by `read` (`parse_bytes`, `float`), `default` where it is
+    unset or empty; `InvalidArgumentError` naming it where it is not positive and finite."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = read(raw)
+    except (ValueError, OverflowError):  # InvalidArgumentError too
+        value = None
+    if value is None or not 0 < value < math.inf:
+        what = "a byte count (1073741824, 512M, 1GiB)" if read is parse_bytes else "a positive number"
+        raise InvalidArgumentError(f"{name}={raw!r}: expected {what}")
     return value
 
 

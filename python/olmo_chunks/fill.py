@@ -37,7 +37,16 @@ import torch.distributed as dist
 
 from . import _core, rates
 from ._dist import INLINE_BYTES, Group
-from .errors import ChecksumError, InvalidArgumentError, MismatchError, OlmoChunksError, check_int, no_thread
+from .errors import (
+    ChecksumError,
+    InvalidArgumentError,
+    MismatchError,
+    OlmoChunksError,
+    check_int,
+    env_setting,
+    no_thread,
+    parse_bytes,
+)
 from .location import is_url
 from .shards import is_dense
 
@@ -49,7 +58,7 @@ READ_MODES = ("auto", "once", "direct")
 MAX_WORKERS = 1024
 
 # Host memory used at a time to stage destinations the core cannot fill in place.
-STAGING_BYTES = int(os.environ.get("OLMO_CHUNKS_STAGING_BYTES", 1 << 30))
+STAGING_BYTES = env_setting("OLMO_CHUNKS_STAGING_BYTES", 1 << 30, parse_bytes)
 
 T = TypeVar("T")
 

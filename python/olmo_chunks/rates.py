@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 
 from . import _core
+from .errors import env_setting
 from .location import is_url
 
 __all__ = [
@@ -91,9 +92,9 @@ def _key(source: str) -> str:
 def storage_rate(source: str) -> tuple[float, str]:
     """Bytes per second one rank reads from `source`'s storage, and where the figure comes from
     ("env", "learned", "pace" or "prior")."""
-    env = os.environ.get("OLMO_CHUNKS_STORAGE_GBPS")
+    env = env_setting("OLMO_CHUNKS_STORAGE_GBPS", 0.0, float)
     if env:
-        return float(env) * 1e9, "env"
+        return env * 1e9, "env"
     learned = _learned.get(_key(source))
     if learned is not None:
         return learned, "learned"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # torch-free at run time: the CLI's inspect and verify import this module
     import torch
@@ -16,6 +18,7 @@ __all__ = [
     "ROLES",
     "TENSOR",
     "TRAINER_STATE",
+    "check_roles",
     "infer_role",
     "resolve_role",
 ]
@@ -49,6 +52,19 @@ def infer_role(key: str, tensor: torch.Tensor) -> str:
     if any(p in _TRAINER for p in parts):
         return TRAINER_STATE
     return MAIN_WEIGHT if tensor.is_floating_point() else TENSOR
+
+
+def check_roles(roles: Any) -> dict[str, str] | None:
+    """A `roles=` argument (keys or dotted key prefixes to roles) as a dict; `InvalidArgumentError`
+    for anything else, or a role not in `ROLES` (a misspelt one would be saved as it is)."""
+    if roles is None:
+        return None
+    if not isinstance(roles, Mapping):
+        raise InvalidArgumentError(f"roles must be a mapping, got {type(roles).__name__}")
+    for key, role in roles.items():
+        if not isinstance(key, str) or not isinstance(role, str) or role not in ROLES:
+            raise InvalidArgumentError(f"roles[{key!r}]={role!r}: expected one of {', '.join(ROLES)}")
+    return dict(roles)
 
 
 def resolve_role(key: str, tensor: torch.Tensor, roles: Mapping[str, str] | None) -> str:

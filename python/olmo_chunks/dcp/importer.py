@@ -35,7 +35,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..location import checkpoint_location
-from ..roles import resolve_role
+from ..roles import check_roles, resolve_role
 from ..session import SaveSession, zstd_level
 from ..shards import dtype_name
 from .values import encode_object, group_entries
@@ -164,6 +164,7 @@ def import_dcp(  # noqa: PLR0915
     `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`.
     `compression` and `compression_level` are `olmo_chunks.save`'s."""
     src, dst = Path(src), checkpoint_location(dst)
+    roles = check_roles(roles)
     zstd = zstd_level(compression, compression_level)
     md = read_dcp_metadata(src)
     storage: Mapping[MetadataIndex, Any] = md.storage_data

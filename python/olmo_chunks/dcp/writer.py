@@ -32,7 +32,7 @@ from .._dist import DEFAULT_PEER_TIMEOUT, Group
 from ..errors import InvalidArgumentError, check_int
 from ..fill import check_workers
 from ..location import checkpoint_location, is_url
-from ..roles import resolve_role
+from ..roles import check_roles, resolve_role
 from ..session import SaveSession, zstd_level
 from ..shards import ChunkItem, check_dtype, dtype_name
 from .common import check_group, data_step, is_location, path_of
@@ -117,7 +117,7 @@ class ChunkStoreWriter(StorageWriter):
                 )
             workers = thread_count
         self.path = checkpoint_location(path) if path is not None else None
-        self.roles = dict(roles) if roles else None
+        self.roles = check_roles(roles)
         self.info = dict(info) if info else {}
         self.block_size = check_int("block_size", block_size, 1, 2**64 - 1)  # the core caps it
         self.workers = check_workers(workers)

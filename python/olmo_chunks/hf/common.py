@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import _core
-from ..errors import ConversionError, CorruptCheckpointError, InvalidArgumentError, OlmoChunksError
+from ..errors import ConversionError, CorruptCheckpointError, InvalidArgumentError, OlmoChunksError, parse_bytes
 from ..location import checkpoint_location, is_url
 from ..shards import dtype_name
 from .mapping import (
@@ -58,20 +57,6 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-
-
-def parse_bytes(text: str | int) -> int:
-    """`1073741824`, `512M`, `1G`, `64MiB` -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise InvalidArgumentError(f"cannot read {text!r} as a byte count")
-    scale = 1024 ** ("KMGT".find(m.group(2).upper()) + 1) if m.group(2) else 1
-    n = float(m.group(1)) * scale
-    if n >= 2**63:
-        raise InvalidArgumentError(f"{text!r} is too many bytes (at most 8 EiB)")
-    return int(n)
 
 
 # Bounds on the JSON of an HF directory (index, config, safetensors headers), far beyond any real
