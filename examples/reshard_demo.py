@@ -136,7 +136,9 @@ def main() -> None:
     p.add_argument("--load-ranks", type=int, default=3)
     p.add_argument("--save-layout", default="rows", choices=["rows", "grid", "cols"])
     p.add_argument("--load-layout", default="cols", choices=["rows", "grid", "cols"])
-    p.add_argument("--size-mb", type=int, default=512, help="checkpoint size (main weights + 2 Adam moments)")
+    p.add_argument("--size-mb", type=int, default=512,
+                   help="checkpoint size (main weights + 2 Adam moments; at least about 180 MB: the embedding "
+                        "and one layer)")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

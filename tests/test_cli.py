@@ -44,6 +44,8 @@ def test_inspect_json(ckpt: Path):
     s = json.loads(out.stdout)
     assert s["parameters"] == 1000 and s["total_bytes"] == 12004
     assert {t["key"]: t["role"] for t in s["tensors"]}["optim.w.step"] == "optimizer_state"
+    totals = json.loads(cli("inspect", "--json", "--no-tensors", str(ckpt)).stdout)
+    assert totals == {**{k: v for k, v in s.items() if k != "tensors"}, "tensor_count": len(s["tensors"])}
 
 
 def test_verify_ok(ckpt: Path):

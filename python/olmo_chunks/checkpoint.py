@@ -167,7 +167,8 @@ def save(
 
     The checkpoint becomes visible when its manifest is committed, last; until then `path` keeps
     the checkpoint it had, whatever happens to this save. A checkpoint already at `path` is
-    replaced only with `overwrite=True`; a directory holding anything else is refused; a save
+    replaced only with `overwrite=True`; files olmo-chunks did not write may sit beside it (never
+    touched), but a `data/` it did not write is refused; a save
     racing another one to the same path fails with `CheckpointLockedError`. A failure on any rank,
     or a rank silent for `peer_timeout` seconds, raises on every rank.
 

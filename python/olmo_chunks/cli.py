@@ -205,12 +205,15 @@ def summarize(path: str) -> dict[str, Any]:
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--no-tensors", action="store_true", help="totals only")
+    p.add_argument("--no-tensors", action="store_true",
+                   help="totals only (with --json: tensor_count in place of the tensors list)")
 
 
 def _inspect(args: argparse.Namespace) -> int:
     s = summarize(args.path)
     if args.json:
+        if args.no_tensors:
+            s["tensor_count"] = len(s.pop("tensors"))
         print(json.dumps(s, indent=1))
         return 0
     print(f"{s['path']}: format v{s['format_version']}, {len(s['tensors'])} tensors, {s['chunks']} chunks, "

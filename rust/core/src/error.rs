@@ -65,7 +65,7 @@ pub enum CoreError {
     #[error("tensor {key:?}: {reason}")]
     Layout { key: String, reason: String },
     /// A checkpoint is already committed at the path and the save did not ask to overwrite it.
-    #[error("{path}: Checkpoint already exists (committed there by an earlier save); pass overwrite=True to replace it (nothing was changed)")]
+    #[error("{path}: Checkpoint already exists (committed there by an earlier save); pass overwrite=True (the CLI's --overwrite) to replace it (nothing was changed)")]
     Exists { path: PathBuf },
     /// Another save holds the directory's lease, or took this save's over.
     #[error("{path}: {reason}")]
