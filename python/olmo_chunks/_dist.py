@@ -60,7 +60,7 @@ from .errors import (
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "group_name", "rank_and_size"]
+__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "group_name", "let_collectives_settle", "rank_and_size"]
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
@@ -272,7 +272,7 @@ _calls_lock = threading.Lock()
 _untold: list[tuple[str, bytes]] = []
 
 
-def _let_collectives_settle() -> None:
+def let_collectives_settle() -> None:
     """At the exit of a process whose group was not destroyed: a moment without the GIL for
     torch's gloo worker threads, which release the tensors of a finished collective (a DCP save's
     last broadcast) under it. One that asks for it once the interpreter is finalising ends the
@@ -295,7 +295,7 @@ def _process_link(peer_timeout: float) -> _Link:
             if _link is not None and _link.pid == os.getpid():
                 _link.heartbeat.stop()  # of a process group destroyed since
             if _link is None:
-                atexit.register(_let_collectives_settle)
+                atexit.register(let_collectives_settle)
             _link = _Link(store, dist.get_rank(), interval, peer_timeout)
         _link.beat_every(interval, peer_timeout)
         return _link

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
-from ._dist import DEFAULT_PEER_TIMEOUT, Group, group_name
+from ._dist import DEFAULT_PEER_TIMEOUT, Group, group_name, let_collectives_settle
 from .checkpoint import SaveSteps
 from .errors import OlmoChunksError, env_setting, parse_bytes, start_thread
 from .session import staging_bytes
@@ -213,6 +213,10 @@ def _wrapped(exc: BaseException) -> OlmoChunksError:
 
 @atexit.register
 def _drain() -> None:
-    """Interpreter exit waits for saves in flight."""
-    for thread in list(_threads):
+    """Interpreter exit waits for saves in flight (then lets their collectives settle: this may
+    run after `_dist`'s own hook)."""
+    threads = list(_threads)
+    for thread in threads:
         thread.join()
+    if threads:
+        let_collectives_settle()

@@ -1,4 +1,5 @@
-"""The exceptions olmo-chunks raises. All derive from `OlmoChunksError`."""
+"""The exceptions olmo-chunks raises (all derive from `OlmoChunksError`), and the checks of
+arguments, settings and thread starts that raise them."""
 
 from __future__ import annotations
 
