@@ -60,7 +60,9 @@ from .errors import (
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "group_name", "let_collectives_settle", "rank_and_size"]
+__all__ = [
+    "DEFAULT_PEER_TIMEOUT", "Group", "bound_collectives", "group_name", "let_collectives_settle", "rank_and_size",
+]
 
 # Seconds without a heartbeat after which a peer that had been beating counts as dead.
 DEFAULT_PEER_TIMEOUT = 45.0
