@@ -403,3 +403,35 @@ def test_none_and_the_world_group_are_one_group(tmp_path):
     results = run_raw(2, _world_or_none, path, timeout=60)
     assert [r and r[:2] for r in results] == [("ok", True), ("ok", True)], results
     assert holds(path, 2, 2)
+
+
+def _subgroup_or_world(rank: int, path: str) -> tuple[str, float]:
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 1])
+    t0 = time.time()
+    try:
+        olmo_chunks.save(full_state(rank, 2, 1), path, process_group=sub if rank == 0 else None,
+                         peer_timeout=PEER_TIMEOUT)
+    except InvalidArgumentError as exc:
+        return str(exc), time.time() - t0
+    return "saved", time.time() - t0
+
+
+def test_ranks_passing_different_groups_of_the_same_ranks_get_invalid_argument(tmp_path):
+    # Each waited for the other in its own group's keys until the arrival timeout (30 min by
+    # default; 60 s here).
+    path = str(tmp_path / "ckpt")
+    os.environ["OLMO_CHUNKS_ARRIVAL_TIMEOUT"] = "60"
+    try:
+        results = run_raw(2, _subgroup_or_world, path, timeout=90)
+    finally:
+        del os.environ["OLMO_CHUNKS_ARRIVAL_TIMEOUT"]
+    assert all(r is not None and r[0] == "ok" for r in results), results
+    for rank, (_, (msg, seconds), _) in enumerate(results):
+        other, mine = ("'0'", "'1'") if rank == 0 else ("'1'", "'0'")
+        assert f"must pass the same process group: global rank {1 - rank} is in its call of this place on " \
+               f"process group {other}, while this rank (global rank {rank}) called save on {mine}" in msg, msg
+        assert seconds < 2 * PEER_TIMEOUT + 10, seconds
+        print(f"rank {rank}: InvalidArgumentError after {seconds:.1f} s (peer_timeout {PEER_TIMEOUT} s)")
+    assert not os.path.exists(os.path.join(path, olmo_chunks.MANIFEST_NAME))

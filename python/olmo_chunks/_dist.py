@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import io
 import os
 import pickle
@@ -83,6 +84,7 @@ _WAIT_BUDGET = 4000.0
 INLINE_BYTES = 1 << 20
 _HB = "olmo_chunks/hb/"
 _STARTED = "olmo_chunks/started"
+_AMONG = "olmo_chunks/among/"
 # What a group's state says after a peer failed inside one of its collectives.
 BROKEN_GROUP = ("the process group is unusable now (a collective is still pending on it): destroy it and create "
                 "a new one, or restart the job")
@@ -333,6 +335,7 @@ class _Watch:
         self.t0 = time.monotonic()
         self.last: dict[int, tuple[bytes, float]] = {}
         self.started: set[int] = set()
+        self.same: set[int] = set()  # global ranks found making their call on this group
 
     def check(self, ranks: Sequence[int], what: str = "this step") -> None:
         """Raises `RankFailedError` for the first of `ranks` (group ranks) that went silent for
@@ -372,6 +375,8 @@ class _Watch:
                 f"(peer_timeout={g.peer_timeout:g} s); it died or hung"
                 + "".join(f"; so did rank {other}" for other in sorted(silent)[1:]),
                 rank=r, dead=True)
+        if g.among is not None and now - self.t0 > g.peer_timeout:
+            self.same |= g.check_one_group([gr for gr in want if gr not in self.same][:8])
         if now - self.t0 > g.arrival_timeout:
             r = next((want[gr] for gr in want if gr not in self.started), want[next(iter(want))])
             raise RankFailedError(
@@ -430,10 +435,18 @@ class Group:
             return
         self.arrival_timeout = _arrival_timeout(process_group)
         name = group_name(process_group)
+        self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
+        # A call of the main thread has its place among the main thread's calls on groups of these
+        # ranks: the same on every rank of a program that makes the same calls (`check_one_group`).
+        members = hashlib.sha256(",".join(map(str, sorted(self.global_ranks))).encode()).hexdigest()[:16]
+        main = threading.current_thread() is threading.main_thread()
         with _calls_lock:
             call = _calls[name] = _calls.get(name, 0) + 1
-        self.prefix = f"olmo_chunks/{name}/{call}"
-        self.global_ranks = [dist.get_global_rank(process_group, r) if process_group else r for r in range(self.size)]
+            if main:
+                ordinal = _calls[_AMONG + members] = _calls.get(_AMONG + members, 0) + 1
+        self.name, self.prefix = name, f"olmo_chunks/{name}/{call}"
+        self.among = f"{_AMONG}{members}/{ordinal}/" if main else None
+        self.said_group = False
         self.since = time.monotonic()
         try:
             self.link: _Link | None = _process_link(peer_timeout)
@@ -469,6 +482,7 @@ class Group:
         g.peer_timeout, g.arrival_timeout = peer_timeout, arrival_timeout
         g.seq, g.closed, g.scattered, g.told, g.dead = 0, False, False, False, set()
         g.store, g.prefix, g.global_ranks, g.link, g.since = store, prefix, list(range(size)), None, 0.0
+        g.name, g.among = prefix, None
         return g
 
     @property
@@ -707,6 +721,32 @@ class Group:
             return 0.0
         silent = self.link.heartbeat.longest_silence(time.monotonic() - self.since)
         return silent if silent >= self.peer_timeout - self.poll_interval else 0.0
+
+    def check_one_group(self, waited: list[int]) -> set[int]:
+        """Raises `InvalidArgumentError` where one of `waited` (global ranks this one waits for)
+        makes its call of the same place on another process group of the same ranks: each waits
+        for the other in its own group's keys, until the arrival timeout. Called at each look by a
+        rank that has waited peer_timeout, with the ranks it waits for that have not said yet (at
+        most 8): it says which group it uses there, once, and reads what they said (one or two
+        requests each). Both sides of such a mismatch wait, so both find it. Returns those found on
+        this group."""
+        assert self.among is not None
+        if not self.said_group:
+            self.store.set(f"{self.among}{self.global_ranks[self.rank]}", self.name.encode())
+            self.said_group = True
+        same = set()
+        for gr in waited:
+            key = f"{self.among}{gr}"
+            if self.store.check([key]):
+                other = self.store.get(key).decode(errors="replace")
+                same.add(gr)
+                if other != self.name:
+                    raise InvalidArgumentError(
+                        f"the ranks of a call must pass the same process group: global rank {gr} is in its "
+                        f"call of this place on process group {other!r}, while this rank (global rank "
+                        f"{self.global_ranks[self.rank]}) called {self.op} on {self.name!r}, a group of the "
+                        "same ranks (None is the default group); fix the call and restart the job")
+        return same
 
     def _check_abort(self) -> None:
         note = f"{self.prefix}/abort"
