@@ -482,7 +482,7 @@ class Group:
         g.peer_timeout, g.arrival_timeout = peer_timeout, arrival_timeout
         g.seq, g.closed, g.scattered, g.told, g.dead = 0, False, False, False, set()
         g.store, g.prefix, g.global_ranks, g.link, g.since = store, prefix, list(range(size)), None, 0.0
-        g.name, g.among = prefix, None
+        g.among = None  # (no main-thread call of a real group: `check_one_group` never runs)
         return g
 
     @property
