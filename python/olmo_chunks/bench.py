@@ -35,6 +35,7 @@ reads are paced alike), which is where reading each byte once pays. With an obje
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import gc
 import io
@@ -256,10 +257,14 @@ def timed(fn: Callable[[], Any], group: Any = None, before: Callable[[], Any] | 
     """Seconds `fn` takes on the slowest rank: (`before()`,) barrier, run, barrier. Python's cyclic
     collector runs before, not inside, as in training loops that manage it (OLMo-core's and
     Megatron's GC settings): a full collection of a bench rank's heap took 90-310 ms, more than most
-    loads it landed in, at random. What lived before is frozen out of later collections."""
+    loads it landed in, at random. What lived before is frozen out of later collections, until the
+    process exits (what stays frozen is never freed: triton's bindings, imported with DTensor through
+    torch._dynamo, then print some 200 lines of "nanobind: leaked ..." as a bench rank exits)."""
     if before is not None:
         before()
     gc.collect()
+    if not gc.get_freeze_count():
+        atexit.register(gc.unfreeze)
     gc.freeze()
     enabled = gc.isenabled()
     gc.disable()
