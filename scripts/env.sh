@@ -39,5 +39,6 @@ PYO3_ENVIRONMENT_SIGNATURE="$("$VENV/bin/python" -c 'import platform, sys; v = s
 export PYO3_ENVIRONMENT_SIGNATURE
 if [ "${OLMO_CHUNKS_SKIP_BUILD:-0}" != 1 ]; then
     echo "[setup] building the native extension (maturin develop --release)" >&2
-    (cd "$ROOT" && maturin develop --release -q >&2)
+    # PIP_QUIET: maturin -q still let pip list every requirement already satisfied (some 40 lines).
+    (cd "$ROOT" && PIP_QUIET=1 maturin develop --release -q >&2)
 fi
