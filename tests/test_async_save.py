@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from olmo_chunks import ExpertLayout, TrainerState
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
 from tests import world
 
@@ -25,7 +25,7 @@ def _state(rank: int) -> dict:
     lo = ExpertLayout(8, (4, 3), rank // 2, 2, rank % 2, 2)
     experts = torch.randn(lo.local_numel, generator=torch.Generator().manual_seed(100 + rank))
     return {
-        "w": distribute_tensor(full, world.mesh((4,)), [Shard(0)], src_data_rank=None),
+        "w": world.distribute(full, world.mesh((4,)), [Shard(0)]),
         "bias": torch.arange(5.0),  # replicated: one rank writes it
         "experts": lo.view(experts),
         **TrainerState(step=11, tokens=1234, seed=3).state_dict(layout={"dp": 4}),

@@ -1,7 +1,6 @@
 """DTensor placements -> pieces of the global tensor, by hand and against torch on real gloo worlds."""
 
 import importlib
-import inspect
 import itertools
 import math
 
@@ -9,8 +8,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from olmo_chunks import layout
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.layout import Piece, _decoded, _pieces, dtensor_pieces, shard_pieces
+from olmo_chunks.layout import (
+    Piece,
+    _pieces,
+    _strided_order,
+    _strided_shard,
+    dtensor_pieces,
+    ordered_reading,
+    shard_pieces,
+    spec_pieces,
+)
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
@@ -77,12 +86,19 @@ def test_strided_shard_matches_torch_docstring_example():
     }
 
 
-def test_uneven_strided_shard_splits_by_split_factor_first():
-    # 5 -> split_factor chunks [0, 3) and [3, 5), each then chunked in two.
-    assert pieces_1d((5,), (2,), [_StridedShard(0, split_factor=2)]) == {
-        (0,): [(0, 2, 0), (3, 1, 2)],
-        (1,): [(2, 1, 0), (4, 1, 1)],
-    }
+@pytest.fixture(params=[False, True], ids=["torch>=2.10", "torch<2.10"])
+def chunks_stride_whole(request, monkeypatch):
+    """Either torch's split of an uneven _StridedShard, whatever torch runs the test."""
+    monkeypatch.setattr(layout, "_CHUNKS_STRIDE_WHOLE", request.param)
+    return request.param
+
+
+def test_uneven_strided_shard_splits_by_split_factor_first(chunks_stride_whole):
+    # From torch 2.10: 5 -> split_factor chunks [0, 3) and [3, 5), each then chunked in two.
+    # Before: 5 -> 4 chunks [0, 2), [2, 4), [4, 5), [5, 5); coordinate c takes chunks c and c + 2.
+    assert pieces_1d((5,), (2,), [_StridedShard(0, split_factor=2)]) == (
+        {(0,): [(0, 2, 0), (4, 1, 2)], (1,): [(2, 2, 0)]} if chunks_stride_whole else
+        {(0,): [(0, 2, 0), (3, 1, 2)], (1,): [(2, 1, 0), (4, 1, 1)]})
 
 
 def test_strided_shard_with_split_factor_one_is_shard():
@@ -91,13 +107,13 @@ def test_strided_shard_with_split_factor_one_is_shard():
         assert strided == shard_pieces((4, 7), (3,), (c,), [Shard(1)])
 
 
-def test_pieces_are_the_product_of_per_dim_intervals():
+def test_pieces_are_the_product_of_per_dim_intervals(chunks_stride_whole):
     placements = [_StridedShard(1, split_factor=2), Shard(0)]
-    # Dim 1 holds [2, 3) and [5, 6) of columns [0, 3) and [3, 6); dim 0 holds rows [2, 4).
-    assert shard_pieces((4, 6), (2, 3), (1, 1), placements) == [
-        piece((2, 2), (2, 1), (0, 0)),
-        piece((2, 5), (2, 1), (0, 1)),
-    ]
+    # Dim 0 holds rows [2, 4). Dim 1 holds, from torch 2.10, [2, 3) and [5, 6) of columns [0, 3) and
+    # [3, 6); before, [2, 4), the second and fourth of the chunks [0, 2), [2, 4), [4, 6), [6, 6).
+    assert shard_pieces((4, 6), (2, 3), (1, 1), placements) == (
+        [piece((2, 2), (2, 2), (0, 0))] if chunks_stride_whole else
+        [piece((2, 2), (2, 1), (0, 0)), piece((2, 5), (2, 1), (0, 1))])
     # 4 rows in chunks of 2 leave nothing for coordinate 2 on dim 0.
     assert shard_pieces((4, 6), (2, 3), (1, 2), placements) == []
 
@@ -164,30 +180,26 @@ def box(offsets, sizes):
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
-_HAS_SRC_DATA_RANK = "src_data_rank" in inspect.signature(distribute_tensor).parameters
-
-
 def distribute_and_check(shape, mesh_shape, placement_specs):
     """On one rank: shard a known tensor with torch, check our pieces against the local shard."""
     mesh = world.mesh(mesh_shape)
     placements = [build_placement(p) for p in placement_specs]
     full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
-    # Splitting locally keeps a refusal on one rank from stranding the others in a collective.
-    local_split = {"src_data_rank": None} if _HAS_SRC_DATA_RANK else {}
     try:
-        dt = distribute_tensor(full, mesh, placements, **local_split)
+        dt = world.distribute(full, mesh, placements)
     except Exception as e:  # torch 2.6 refuses uneven _StridedShard, for one
         return "refused", f"{type(e).__name__}: {e}"
     local = dt.to_local()
     try:
         pieces = dtensor_pieces(dt)
     except InvalidArgumentError as e:
-        # Torch's own reading of a _StridedShard spec can contradict the shard_order it derives from
-        # it on uneven shapes: refused where the two give other rows, and torch's data is one of them.
+        # Torch's own reading of a _StridedShard spec can contradict the shard order it encodes on
+        # uneven shapes: refused where the two give other rows, and torch's data is one of them.
         assert str(e).startswith("ambiguous layout: _StridedShard in"), e
         coordinate = mesh.get_coordinate()
         readings = [shard_pieces(shape, mesh_shape, coordinate, dt.placements),
-                    _pieces(shape, mesh_shape, coordinate, *_decoded(dt.placements, dt._spec.shard_order))]
+                    ordered_reading(shape, mesh_shape, coordinate, dt.placements,
+                                    getattr(dt._spec, "shard_order", None))]
         assert readings[0] != readings[1]
         held = [sorted(v for p in r for v in full[box(p.global_offsets, p.sizes)].flatten().tolist()) for r in readings]
         assert sorted(local.flatten().tolist()) in held, (held, local)  # the elements are unique
@@ -212,9 +224,8 @@ def distribute_and_check(shape, mesh_shape, placement_specs):
 def test_pieces_match_torch_shards(world_size, data):
     shape, mesh_shape, placement_specs = data.draw(layouts(world_size))
     results = world.run(world_size, distribute_and_check, shape, mesh_shape, placement_specs)
-    refused = [reason for status, reason in results if status == "refused"]
-    assert len(refused) in (0, world_size), f"torch refused on some ranks only: {refused}"
-    assume(not refused)
+    # Torch 2.6 and 2.7 refuse an uneven _StridedShard, on the ranks whose part is uneven.
+    assume(all(status != "refused" for status, _ in results))
     assume(all(status == "ok" for status, _ in results))  # an ambiguous spec is refused where it is
 
     # Every element is held once per coordinate of the replicated mesh dims.
@@ -256,21 +267,125 @@ def test_strided_shard_with_the_shard_order_torch_derives_from_it():
     (1, 0): the same layout told twice. Both readings agree, so the pieces are torch's."""
     for rows in (7, 8, 11):
         results = world.run(4, distribute_and_check, (rows, 3), (2, 2), (("SS", 0, 2), ("S", 0)))
+        if rows % 4 and "refused" in [status for status, _ in results]:
+            continue  # torch 2.6 and 2.7 refuse an uneven _StridedShard themselves
         assert [status for status, _ in results] == ["ok"] * 4, results
 
 
 def test_uneven_strided_shard_where_torch_contradicts_its_shard_order():
-    """(_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh: torch 2.10 decodes shard_order
-    (1, 0) from it, which puts row 8 on another coordinate than its own `distribute_tensor` does.
-    The two coordinates refuse (checked against torch's data in `distribute_and_check`); the others
-    hold what both readings say."""
+    """(_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh encodes the shard order (1, 0),
+    which puts row 8 on another coordinate than torch's own `distribute_tensor` does (torch 2.10
+    records that order beside the spec, 2.15 derives it when asked). The two coordinates refuse
+    (checked against torch's data in `distribute_and_check`); the others hold what both readings say."""
     results = world.run(8, distribute_and_check, (9, 1, 1), (4, 2), (("SS", 0, 2), ("S", 0)))
     statuses = [status for status, _ in results]
     if "refused" in statuses:
-        pytest.skip(f"this torch refuses the layout itself: {results[0][1]}")
-    assert set(statuses) <= {"ok", "ambiguous"}, results
-    if "ambiguous" in statuses:  # a torch with shard_order: only the coordinates (3, 0) and (3, 1)
-        assert [r for r, s in enumerate(statuses) if s == "ambiguous"] == [6, 7], results
+        pytest.skip(f"this torch refuses the layout itself: {results}")
+    placements = (_StridedShard(0, split_factor=2), Shard(0))
+    differ = [r for r, coordinate in enumerate(itertools.product(range(4), range(2)))
+              if shard_pieces((9, 1, 1), (4, 2), coordinate, placements)
+              != ordered_reading((9, 1, 1), (4, 2), coordinate, placements, None)]
+    assert differ == ([1, 2, 3, 5, 6, 7] if layout._CHUNKS_STRIDE_WHOLE else [6, 7])
+    assert [r for r, s in enumerate(statuses) if s == "ambiguous"] == differ, results
+
+
+def redistributed_pieces(rows: int):
+    """The pieces of the 9-row spec above made by `redistribute`, which follows the encoded order."""
+    from torch.distributed.tensor import Replicate as R
+
+    mesh = world.mesh((4, 2))
+    full = distribute_tensor(torch.arange(rows), mesh, [R(), R()])
+    dt = full.redistribute(mesh, (_StridedShard(0, split_factor=2), Shard(0)))
+    try:
+        return "ok", dtensor_pieces(dt), dt.to_local().tolist()
+    except InvalidArgumentError as e:
+        return "ambiguous", str(e), dt.to_local().tolist()
+
+
+def test_a_redistributed_uneven_strided_shard_is_refused_where_the_readings_differ():
+    """Before, torch 2.15 (no shard_order beside a _StridedShard) read it left to right only: rank 7
+    held row 8 by `redistribute`, and its pieces said it held nothing."""
+    if not hasattr(importlib.import_module("torch.distributed.tensor._dtensor_spec"), "ShardOrderEntry"):
+        pytest.skip("this torch has no DTensor shard order")
+    results = world.run(8, redistributed_pieces, 9)
+    assert [r for r, (s, _, _) in enumerate(results) if s == "ambiguous"] == [6, 7], results
+    assert results[7][2] == [8]  # torch's data: row 8 where the left-to-right reading has none
+    for status, pieces, held in results:
+        if status == "ok":
+            assert [v for p in pieces for v in range(p.global_offsets[0], p.global_offsets[0] + p.sizes[0])] == held
+
+
+def test_same_sized_readings_of_other_rows_are_refused():
+    """On a 3-D mesh the two readings of a _StridedShard spec can hold as many elements as each other,
+    and other ones: 5 rows, (_StridedShard(0, sf=4), Shard(0), Shard(0)) on 2 x 2 x 2, coordinate
+    (0, 1, 0) holds row 4 left to right and row 3 in the encoded order (1, 2, 0). No size check can
+    tell them apart, so the spec is refused."""
+    placements = (_StridedShard(0, split_factor=4), Shard(0), Shard(0))
+    assert _strided_order(placements, (2, 2, 2), 1) == [1, 2, 0]
+    assert shard_pieces((5,), (2, 2, 2), (0, 1, 0), placements) == [piece((4,), (1,), (0,))]
+    assert ordered_reading((5,), (2, 2, 2), (0, 1, 0), placements, None) == [piece((3,), (1,), (0,))]
+    with pytest.raises(InvalidArgumentError, match=r"ambiguous layout: _StridedShard in .* \(from its split factors\)"):
+        spec_pieces((5,), (2, 2, 2), (0, 1, 0), placements, None)
+    # Even shapes: both readings agree everywhere.
+    for coordinate in itertools.product(range(2), repeat=3):
+        assert spec_pieces((8,), (2, 2, 2), coordinate, placements, None) == shard_pieces(
+            (8,), (2, 2, 2), coordinate, placements)
+
+
+def _torch_chunks(values: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`torch.chunk` into exactly `n` parts, empty ones last, as DTensor pads a short split."""
+    parts = list(torch.chunk(values, n)) if len(values) else []
+    return parts + [values[:0]] * (n - len(parts))
+
+
+@settings(deadline=None, max_examples=400)
+@given(data=st.data(), whole=st.booleans())
+def test_strided_shard_splits_as_each_torch_does(data, whole):
+    """`_strided_shard` of any held index sequence against torch's split, written with torch.chunk:
+    from 2.10, chunk c of each n-way chunking of the sf chunks; before (`whole`), chunks c, c + n, ...
+    of the n * sf-way chunking."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, 60), max_size=8, unique=True)))
+    intervals = [(a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if a < b]
+    n, sf = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
+    c = data.draw(st.integers(0, n - 1))
+    held = torch.cat([torch.arange(a, b) for a, b in intervals]) if intervals else torch.arange(0)
+    if whole:
+        parts = _torch_chunks(held, n * sf)
+        want = [parts[c + j * n] for j in range(sf)]
+    else:
+        want = [_torch_chunks(part, n)[c] for part in _torch_chunks(held, sf)]
+    got = _strided_shard(intervals, n, c, sf, whole=whole)
+    assert [v for a, b in got for v in range(a, b)] == torch.cat(want).tolist()
+
+
+class _Sizes:
+    """A mesh as torch's shard-order decoding sees it: its sizes."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def size(self, mesh_dim):
+        return self.shape[mesh_dim]
+
+
+@settings(deadline=None, max_examples=300)
+@given(data=st.data())
+def test_strided_order_is_torchs_decoding(data):
+    """`_strided_order` against torch's own decoding of split factors, where torch has one."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    decode = getattr(DTensorSpec, "_maybe_convert_StridedShard_to_shard_order", None)
+    if decode is None:
+        pytest.skip("this torch does not decode split factors into a shard order")
+    mesh_shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+    choices = [Replicate()] + [Shard(d) for d in range(2)]
+    choices += [_StridedShard(d, split_factor=sf) for d in range(2) for sf in (1, 2, 3, 4, 6, 8)]
+    placements = tuple(data.draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape),
+                                          max_size=len(mesh_shape))))
+    assume(any(isinstance(p, _StridedShard) for p in placements))
+    theirs = decode(placements, _Sizes(mesh_shape))
+    ours = _strided_order(placements, mesh_shape, 2)
+    assert ours == (None if theirs is None else [d for entry in theirs for d in entry.mesh_dims])
 
 
 def ambiguous_spec_pieces():

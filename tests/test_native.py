@@ -9,6 +9,8 @@ import pytest
 import torch
 from olmo_chunks import fill
 
+from tests import world
+
 
 def test_staged_loads_in_bounded_batches_are_bit_exact(tmp_path: Path, monkeypatch):
     sd = {f"t{i}": torch.randn(40, 30) for i in range(7)}
@@ -83,13 +85,13 @@ def test_lazily_conjugated_and_negated_views_keep_their_values(tmp_path: Path, d
     elif door == "async_save":  # "big" is larger than the pool: written from itself
         olmo_chunks.async_save(sd, path, pool_bytes=1024).result()
     else:
-        dcp.save(sd, storage_writer=ChunkStoreWriter(path), no_dist=True)
+        dcp.save(sd, storage_writer=ChunkStoreWriter(path), **world.NO_DIST)
     backing = {"c": torch.zeros(3, dtype=torch.complex64), "imag": torch.zeros(3),
                "big": torch.zeros(64, 64, dtype=torch.complex64)}
     out = {"c": backing["c"].conj(), "imag": backing["imag"]._neg_view(),
            "big": torch.zeros(64, 64, dtype=torch.complex64)}
     if door == "dcp":
-        dcp.load(out, storage_reader=ChunkStoreReader(path), no_dist=True)
+        dcp.load(out, storage_reader=ChunkStoreReader(path), **world.NO_DIST)
     else:
         olmo_chunks.load(out, path)
     assert torch.equal(out["c"], x.conj()) and torch.equal(backing["c"], x)  # the view reads as saved

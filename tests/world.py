@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -27,7 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "WARNINGS_RAISE", "RankFailure", "WorldError", "free_port", "mesh", "run", "shutdown", "sizes", "warning_rules",
@@ -92,6 +97,24 @@ def mesh(shape: tuple[int, ...]) -> DeviceMesh:
     if shape not in _meshes:
         _meshes[shape] = init_device_mesh("cpu", shape)
     return _meshes[shape]
+
+
+# Torch 2.6 has neither `src_data_rank` nor `no_dist` (DCP without a process group runs on one).
+_LOCAL_SPLIT = "src_data_rank" in inspect.signature(distribute_tensor).parameters
+NO_DIST = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+
+
+def distribute(full: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """`distribute_tensor` of a tensor every rank holds whole, split on each rank without a
+    collective. Torch 2.6 scatters from rank 0 instead, and fails to pad an empty shard there: its
+    local shard is cut at torch's own offsets (a `_StridedShard`, even there, is scattered)."""
+    if _LOCAL_SPLIT:
+        return distribute_tensor(full, device_mesh, placements, src_data_rank=None)
+    if any(isinstance(p, _StridedShard) for p in placements):
+        return distribute_tensor(full, device_mesh, placements)
+    shape, offsets = compute_local_shape_and_global_offset(full.shape, device_mesh, placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))].clone()
+    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def sizes() -> list[int]:

@@ -200,7 +200,8 @@ class _Held:
 
 def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
     """This rank's (uninitialised) state in layout `lo`, or None when it is outside it."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from .experts import ExpertLayout
     from .layout import dtensor_pieces
@@ -226,10 +227,10 @@ def _hold(specs: list[TensorSpec], lo: Layout, rank: int) -> _Held | None:
             held.expect[s.key] = functools.partial(_range_values, start, length, s.seed)
         else:
             place = [Replicate() if lo.dense_dim < 0 else Shard(lo.dense_dim)]
-            dt = distribute_tensor(torch.empty(s.shape, device="meta"), dense_mesh, place, src_data_rank=None)
-            local = torch.empty(dt.to_local().shape, dtype=torch.float32)
+            local_shape, _ = compute_local_shape_and_global_offset(s.shape, dense_mesh, place)
+            local = torch.empty(local_shape, dtype=torch.float32)
             dt = DTensor.from_local(local, dense_mesh, place, run_check=False,
-                                    shape=torch.Size(s.shape), stride=dt.stride())
+                                    shape=torch.Size(s.shape), stride=torch.empty(s.shape, device="meta").stride())
             (piece,) = dtensor_pieces(dt)
             held.native[s.key] = held.dcp[s.key] = dt
             held.locals[s.key] = local

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch.distributed.tensor.placement_types import (
     Partial,
     Placement,
@@ -25,6 +27,9 @@ __all__ = ["Piece", "dtensor_pieces", "shard_pieces", "spec_pieces"]
 
 # Half-open [start, stop) range of global indices along one tensor dim.
 _Interval = tuple[int, int]
+
+# How torch splits a _StridedShard (`_strided_shard`): its release, not a feature of its API, says.
+_CHUNKS_STRIDE_WHOLE = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2]) < (2, 10)
 
 
 @dataclass(frozen=True)
@@ -78,36 +83,80 @@ def spec_pieces(
     """`shard_pieces` for a DTensor spec, whose `shard_order` (torch >= 2.10) may apply the shardings
     of one tensor dim in an order other than left to right; older torch has no such field.
 
-    Torch 2.10 keeps `_StridedShard` placements and records beside them the shard_order it decodes
-    from their split factors: two descriptions of one layout. Both are computed and must agree at
-    this coordinate (whichever torch used, these pieces are then the ones it holds); where they do
-    not, the spec is ambiguous and refused (`InvalidArgumentError`). They can disagree on a spec
-    torch made itself: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh, where torch
-    2.10's decoded order (1, 0) puts row 8 on coordinate (3, 1) and its `distribute_tensor` on (3, 0),
-    while its `redistribute` into that spec puts it on (3, 1): one spec, two layouts of the data.
+    A spec with `_StridedShard` tells one layout twice: left to right, each `_StridedShard` striding
+    (`distribute_tensor`, and DCP's offsets), and as plain shards applied in the order its split
+    factors encode (`redistribute` into the spec; FSDP2 over tensor parallelism, which shards each
+    TP shard). Torch 2.10 records that order beside the spec; later releases leave `shard_order`
+    None and derive it when asked, as `_strided_order` does here. Both readings are computed and must
+    agree at this coordinate (whichever made the data, these pieces are then the ones it holds);
+    where they do not, the spec is ambiguous and refused (`InvalidArgumentError`). They disagree on
+    some uneven shapes: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh, where
+    `distribute_tensor` puts row 8 on coordinate (3, 0) and `redistribute` on (3, 1) (torch 2.10 and
+    2.15); on a 3-D mesh the two can hold as many rows as each other, and other ones.
     """
-    left_to_right = list(range(len(placements)))
-    if shard_order is None:
-        return _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right)
-    entries = [tuple(entry.mesh_dims) for entry in shard_order]  # type: ignore[attr-defined]
-    if all(list(mesh_dims) == sorted(mesh_dims) for mesh_dims in entries):
-        return _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right)
-    ordered = _pieces(global_shape, mesh_shape, coordinate, *_decoded(placements, shard_order))
-    if not any(isinstance(p, _StridedShard) for p in placements):
-        return ordered
-    if ordered != _pieces(global_shape, mesh_shape, coordinate, placements, left_to_right):
+    left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
+    ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)
+    if ordered is None:
+        return left_to_right
+    if any(isinstance(p, _StridedShard) for p in placements) and ordered != left_to_right:
         raise InvalidArgumentError(
-            f"ambiguous layout: _StridedShard in {placements} with shard_order {shard_order}")
+            f"ambiguous layout: _StridedShard in {placements} with the shard order it encodes "
+            f"({shard_order or 'from its split factors'}): at coordinate {tuple(coordinate)} of mesh "
+            f"{tuple(mesh_shape)}, a tensor of shape {tuple(global_shape)} holds other elements when "
+            "`distribute_tensor` made it than when `redistribute` or FSDP2 over tensor parallelism did; make "
+            "the sharded dims divisible by the mesh sizes")
     return ordered
 
 
-def _decoded(placements: tuple[Placement, ...], shard_order: object) -> tuple[tuple[Placement, ...], list[int]]:
-    """The placements as plain shards (a `_StridedShard` as the `Shard` it strides) and the order of
-    mesh dims in which `shard_order` applies them: shardings of different tensor dims commute, so
-    one flat order serves them all."""
-    order = [d for entry in shard_order for d in entry.mesh_dims]  # type: ignore[attr-defined]
+def ordered_reading(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: tuple[Placement, ...],
+    shard_order: object,
+) -> list[Piece] | None:
+    """The pieces with each `_StridedShard` as the `Shard` it strides and the shardings applied in
+    the order `shard_order` gives or, where it is None, the split factors encode; None where that
+    order is left to right, or no order gives the split factors."""
+    if shard_order is not None:
+        entries = [tuple(entry.mesh_dims) for entry in shard_order]  # type: ignore[attr-defined]
+        if all(list(mesh_dims) == sorted(mesh_dims) for mesh_dims in entries):
+            return None
+        order: list[int] | None = [d for mesh_dims in entries for d in mesh_dims]
+    elif any(isinstance(p, _StridedShard) for p in placements):
+        order = _strided_order(placements, mesh_shape, len(global_shape))
+    else:
+        return None
+    if order is None:
+        return None
+    # Shardings of different tensor dims commute, so one flat order serves them all.
     order += [d for d in range(len(placements)) if d not in order]
-    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements), order
+    plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+    return _pieces(global_shape, mesh_shape, coordinate, plain, order)
+
+
+def _strided_order(placements: tuple[Placement, ...], mesh_shape: Sequence[int], ndim: int) -> list[int] | None:
+    """The mesh dims in the order their shardings apply, as `_StridedShard` split factors encode it
+    (torch derives the same where a spec leaves `shard_order` None): from the right, each sharding of
+    a tensor dim goes where the mesh dims ordered before it multiply to its split factor (1 for a
+    `Shard`). None where no order gives the split factors."""
+    per_dim: dict[int, list[int]] = {}
+    for mesh_dim in reversed(range(len(placements))):
+        p = placements[mesh_dim]
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        order = per_dim.setdefault(_tensor_dim(p.dim, ndim, p), [])
+        want = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        product = 1
+        for at in range(len(order) + 1):
+            if product == want:
+                order.insert(at, mesh_dim)
+                break
+            if at < len(order):
+                product *= mesh_shape[order[at]]
+        else:
+            return None
+    return [d for _, dims in sorted(per_dim.items()) for d in dims]
 
 
 def _pieces(
@@ -186,12 +235,14 @@ def _chunk(intervals: list[_Interval], n: int, c: int) -> list[_Interval]:
     return _take(intervals, min(c * step, length), min((c + 1) * step, length))
 
 
-def _strided_shard(intervals: list[_Interval], n: int, c: int, split_factor: int) -> list[_Interval]:
-    """Chunk `c` of each of the `n`-way chunkings of the `split_factor` chunks, concatenated."""
-    held = []
-    for j in range(split_factor):
-        held.extend(_chunk(_chunk(intervals, split_factor, j), n, c))
-    return held
+def _strided_shard(intervals: list[_Interval], n: int, c: int, split_factor: int,
+                   whole: bool | None = None) -> list[_Interval]:
+    """Chunk `c` of each of the `n`-way chunkings of the `split_factor` chunks, concatenated (torch
+    2.10 and later); before 2.10 (`whole`), chunks `c`, `c + n`, ... of the `n * split_factor`-way
+    chunking. The two agree where every chunking is even, the only case torch 2.6 and 2.7 accept."""
+    if _CHUNKS_STRIDE_WHOLE if whole is None else whole:
+        return [i for j in range(split_factor) for i in _chunk(intervals, n * split_factor, c + j * n)]
+    return [i for j in range(split_factor) for i in _chunk(_chunk(intervals, split_factor, j), n, c)]
 
 
 def _merge(intervals: list[_Interval]) -> list[_Interval]:

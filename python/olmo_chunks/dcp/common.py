@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -18,6 +19,17 @@ from ..errors import (
 from ..location import checkpoint_location
 
 log = logging.getLogger(__name__)
+
+
+def dcp_extension(name: str) -> type | None:
+    """DCP's stream-extension class `name` (`torch.distributed.checkpoint._extension`); None on torch
+    2.6, which has no such module (nor the writer's `_extensions` or the reader's registry)."""
+    try:
+        module = importlib.import_module("torch.distributed.checkpoint._extension")
+    except ImportError:
+        return None
+    cls: type = getattr(module, name)
+    return cls
 
 
 def path_of(checkpoint_id: str | os.PathLike[str] | None, current: str | None) -> str | None:

@@ -246,7 +246,7 @@ def import_dcp(  # noqa: PLR0915
             info = {
                 "writer": "olmo_chunks.import_dcp",
                 "source": str(src),
-                "dcp_version": md.version,
+                "dcp_version": getattr(md, "version", None),  # torch 2.6's metadata has none
                 **({"dcp_paths": {k: list(v) for k, v in paths.items()}} if paths else {}),
             }
         m = session.commit(schema, session.written, entries, info)

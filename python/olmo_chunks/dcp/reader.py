@@ -13,7 +13,6 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -41,8 +40,10 @@ from ..errors import (
 from ..fill import Fill, check_read_mode, check_workers, fill
 from ..location import checkpoint_location, is_url
 from ..shards import torch_dtype
-from .common import check_group, data_step, is_location, path_of
+from .common import check_group, data_step, dcp_extension, is_location, path_of
 from .values import dcp_leaves
+
+EXTENSION_REGISTRY = dcp_extension("ExtensionRegistry")
 
 
 class ChunkStoreReader(StorageReader):
@@ -70,7 +71,8 @@ class ChunkStoreReader(StorageReader):
         super().__init__()
         check_read_mode(read)
         self.read = read
-        if _extension_registry is not None and not isinstance(_extension_registry, ExtensionRegistry):
+        if _extension_registry is not None and (EXTENSION_REGISTRY is None
+                                                or not isinstance(_extension_registry, EXTENSION_REGISTRY)):
             raise InvalidArgumentError(
                 f"ChunkStoreReader: _extension_registry must be an ExtensionRegistry, "
                 f"not {type(_extension_registry).__name__}"

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -35,14 +34,16 @@ from ..location import checkpoint_location, is_url
 from ..roles import check_roles, resolve_role
 from ..session import SaveSession, zstd_level
 from ..shards import ChunkItem, check_dtype, dtype_name
-from .common import check_group, data_step, is_location, path_of
+from .common import check_group, data_step, dcp_extension, is_location, path_of
 from .values import encode_object, group_entries
+
+ZSTANDARD = dcp_extension("ZStandard")
 
 
 def _compression_of(extensions: list[Any], compression: str | None) -> str:
     """The `compression` DCP stream `extensions` ask for: ZStandard is our per-block zstd (the
     checkpoint stays in our format, which DCP's reader cannot read anyway); others are refused."""
-    other = [type(e).__name__ for e in extensions if not isinstance(e, ZStandard)]
+    other = [type(e).__name__ for e in extensions if ZSTANDARD is None or not isinstance(e, ZSTANDARD)]
     if other:
         raise InvalidArgumentError(
             f"ChunkStoreWriter: _extensions={other} are not supported: olmo-chunks stores element bytes "
