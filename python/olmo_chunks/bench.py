@@ -508,8 +508,6 @@ def _save_step(method: str, held: _Held | None, path: str, raw_file: tuple[str, 
 
 def _stage_step(method: str, held: _Held | None, nbytes: int, raw_buf: torch.Tensor) -> float:
     """Seconds to stage CPU copies of the state, without I/O."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     from .shards import describe
 
     if held is None:
@@ -523,6 +521,12 @@ def _stage_step(method: str, held: _Held | None, nbytes: int, raw_buf: torch.Ten
                     staged.append(torch.empty(data.shape, dtype=data.dtype).copy_(data))
         return timed(stage)
     if method == "dcp":
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:  # torch before 2.8: what its dcp.async_save stages with
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            return timed(lambda: BlockingAsyncStager().stage(held.dcp))
         stager = DefaultStager(StagingOptions(False, False, False, False))
         try:
             return timed(lambda: stager.stage(held.dcp))
