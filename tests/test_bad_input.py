@@ -12,6 +12,7 @@ import numpy as np
 import olmo_chunks
 import pytest
 import torch
+import torch.distributed as dist
 from olmo_chunks import _core
 from olmo_chunks.errors import (
     CheckpointNotFoundError,
@@ -569,3 +570,33 @@ def test_environment_settings_are_checked(name: str, value: str, monkeypatch):
             _dist._arrival_timeout(None)
         else:
             rates.storage_rate("/tmp")
+
+
+def save_short_local_shard(path: str) -> str:
+    """A DTensor built by hand whose local shard holds one row where Shard(0) of 4 rows on 2 ranks
+    places two; rank 1's is right."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = 1 if dist.get_rank() == 0 else 2
+    dt = DTensor.from_local(torch.ones(rows, 3), world.mesh((2,)), [Shard(0)], run_check=False,
+                            shape=torch.Size((4, 3)), stride=(3, 1))
+    try:
+        olmo_chunks.save({"w": dt}, path, overwrite=True)
+    except OlmoChunksError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def test_a_local_shard_smaller_than_its_placements_say_is_refused_by_name(tmp_path: Path):
+    """Was a CorruptManifestError from the commit ("byte length 12 does not match its region"), the
+    save's bytes written first; now rank 0 names the tensor before anything is written, and a
+    checkpoint already at the path stays."""
+    path = str(tmp_path / "c")
+    olmo_chunks.save({"w": torch.zeros(4, 3)}, path)
+    results = world.run(2, save_short_local_shard, path)
+    assert results[0].startswith("InvalidArgumentError: 'w': the local shard of shape (1, 3) is smaller than "
+                                 "what (Shard(dim=0),) of a (4, 3) tensor place on this rank"), results
+    assert results[1].startswith("RankFailedError: rank 0 failed: InvalidArgumentError"), results
+    back = {"w": torch.ones(4, 3)}
+    olmo_chunks.load(back, path)
+    assert torch.equal(back["w"], torch.zeros(4, 3))

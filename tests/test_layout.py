@@ -20,7 +20,7 @@ from olmo_chunks.layout import (
     shard_pieces,
     spec_pieces,
 )
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from tests import world
@@ -272,21 +272,39 @@ def test_strided_shard_with_the_shard_order_torch_derives_from_it():
         assert [status for status, _ in results] == ["ok"] * 4, results
 
 
+STRIDED_9 = ((9, 1, 1), (4, 2), (_StridedShard(0, split_factor=2), Shard(0)))
+
+
+def _status_by_local_shape(coordinate, made_by) -> str:
+    """"ok" where the readings of STRIDED_9 agree at `coordinate` or the local shape of the one that
+    `made_by` ("left" or "ordered") says fits it alone, else "ambiguous"."""
+    shape, mesh_shape, placements = STRIDED_9
+    left = shard_pieces(shape, mesh_shape, coordinate, placements)
+    ordered = ordered_reading(shape, mesh_shape, coordinate, placements, None)
+    if left == ordered:
+        return "ok"
+    made = left if made_by == "left" else ordered
+    held = tuple(max(p.local_offsets[d] + p.sizes[d] for p in made) for d in range(3)) if made else (0, 1, 1)
+    return "ok" if layout._fits(left, held) != layout._fits(ordered, held) else "ambiguous"
+
+
 def test_uneven_strided_shard_where_torch_contradicts_its_shard_order():
     """(_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh encodes the shard order (1, 0),
     which puts row 8 on another coordinate than torch's own `distribute_tensor` does (torch 2.10
-    records that order beside the spec, 2.15 derives it when asked). The two coordinates refuse
-    (checked against torch's data in `distribute_and_check`); the others hold what both readings say."""
+    records that order beside the spec, 2.15 derives it when asked). Where the readings differ, the
+    local shard's shape says `distribute_tensor` made it (checked against torch's data in
+    `distribute_and_check`)."""
     results = world.run(8, distribute_and_check, (9, 1, 1), (4, 2), (("SS", 0, 2), ("S", 0)))
     statuses = [status for status, _ in results]
     if "refused" in statuses:
         pytest.skip(f"this torch refuses the layout itself: {results}")
-    placements = (_StridedShard(0, split_factor=2), Shard(0))
-    differ = [r for r, coordinate in enumerate(itertools.product(range(4), range(2)))
-              if shard_pieces((9, 1, 1), (4, 2), coordinate, placements)
-              != ordered_reading((9, 1, 1), (4, 2), coordinate, placements, None)]
+    shape, mesh_shape, placements = STRIDED_9
+    coordinates = list(itertools.product(range(4), range(2)))
+    differ = [r for r, c in enumerate(coordinates) if shard_pieces(shape, mesh_shape, c, placements)
+              != ordered_reading(shape, mesh_shape, c, placements, None)]
     assert differ == ([1, 2, 3, 5, 6, 7] if layout._CHUNKS_STRIDE_WHOLE else [6, 7])
-    assert [r for r, s in enumerate(statuses) if s == "ambiguous"] == differ, results
+    assert statuses == [_status_by_local_shape(c, "left") for c in coordinates], results
+    assert statuses == ["ok"] * 8 or layout._CHUNKS_STRIDE_WHOLE, results
 
 
 def redistributed_pieces(rows: int):
@@ -302,17 +320,68 @@ def redistributed_pieces(rows: int):
         return "ambiguous", str(e), dt.to_local().tolist()
 
 
-def test_a_redistributed_uneven_strided_shard_is_refused_where_the_readings_differ():
-    """Before, torch 2.15 (no shard_order beside a _StridedShard) read it left to right only: rank 7
-    held row 8 by `redistribute`, and its pieces said it held nothing."""
+def test_a_redistributed_uneven_strided_shard_is_read_by_its_local_shape():
+    """The same spec made by `redistribute`: rank 7 holds row 8, which the left-to-right reading puts
+    on rank 6. Before, torch 2.15 (no shard_order beside a _StridedShard) read it left to right only,
+    so rank 7's pieces said it held nothing; now its one-row local shard says which reading made it."""
     if not hasattr(importlib.import_module("torch.distributed.tensor._dtensor_spec"), "ShardOrderEntry"):
         pytest.skip("this torch has no DTensor shard order")
     results = world.run(8, redistributed_pieces, 9)
-    assert [r for r, (s, _, _) in enumerate(results) if s == "ambiguous"] == [6, 7], results
-    assert results[7][2] == [8]  # torch's data: row 8 where the left-to-right reading has none
-    for status, pieces, held in results:
-        if status == "ok":
-            assert [v for p in pieces for v in range(p.global_offsets[0], p.global_offsets[0] + p.sizes[0])] == held
+    assert [s for s, _, _ in results] == ["ok"] * 8, results
+    assert results[6][2] == [] and results[7][2] == [8]
+    for _, pieces, held in results:
+        assert [v for p in pieces for v in range(p.global_offsets[0], p.global_offsets[0] + p.sizes[0])] == held
+
+
+def save_strided_9(path: str, made_by: str, rows: int, cols: int) -> None:
+    """Saves a `rows` x `cols` tensor as STRIDED_9's spec, made by `distribute_tensor` ("left") or by
+    `redistribute` ("ordered")."""
+    import olmo_chunks
+    from torch.distributed.tensor import Replicate as R
+
+    mesh = world.mesh((4, 2))
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    placements = STRIDED_9[2]
+    if made_by == "left":
+        dt = world.distribute(full, mesh, placements)
+    else:
+        dt = world.distribute(full, mesh, [R(), R()]).redistribute(mesh, placements)
+    olmo_chunks.save({"w": dt}, path)
+
+
+def load_strided_9(path: str, made_by: str, rows: int, cols: int) -> bool:
+    """Loads into zeros laid out as `save_strided_9` makes them; True where bit-exact."""
+    import olmo_chunks
+    from torch.distributed.tensor import Replicate as R
+
+    mesh = world.mesh((4, 2))
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    placements = STRIDED_9[2]
+    if made_by == "left":
+        want = world.distribute(full, mesh, placements)
+    else:
+        want = world.distribute(full, mesh, [R(), R()]).redistribute(mesh, placements)
+    got = want.to_local().clone().zero_()
+    dst = DTensor.from_local(got, mesh, placements, run_check=False, shape=want.shape, stride=want.stride())
+    olmo_chunks.load({"w": dst}, path)
+    return torch.equal(got, want.to_local())
+
+
+@pytest.mark.parametrize(("saved_by", "loaded_by"), [("ordered", "left"), ("left", "ordered"), ("ordered", "ordered")])
+def test_uneven_strided_shards_save_and_load_by_their_local_shapes(tmp_path, saved_by, loaded_by):
+    """FSDP2 over tensor parallelism keeps each TP shard's rows together (as `redistribute` does);
+    `distribute_tensor` strides them. Both, of one uneven spec, save and load bit-exact into each
+    other, and a single process reads the whole tensor back."""
+    import olmo_chunks
+
+    if not hasattr(importlib.import_module("torch.distributed.tensor._dtensor_spec"), "ShardOrderEntry"):
+        pytest.skip("this torch has no DTensor shard order (nor a redistribute into this spec)")
+    path = str(tmp_path / "ckpt")
+    world.run(8, save_strided_9, path, saved_by, 9, 3)
+    assert world.run(8, load_strided_9, path, loaded_by, 9, 3) == [True] * 8
+    back = {"w": torch.zeros(9, 3)}
+    olmo_chunks.load(back, path)
+    assert torch.equal(back["w"], torch.arange(27, dtype=torch.float32).reshape(9, 3))
 
 
 def test_same_sized_readings_of_other_rows_are_refused():
@@ -321,11 +390,15 @@ def test_same_sized_readings_of_other_rows_are_refused():
     (0, 1, 0) holds row 4 left to right and row 3 in the encoded order (1, 2, 0). No size check can
     tell them apart, so the spec is refused."""
     placements = (_StridedShard(0, split_factor=4), Shard(0), Shard(0))
-    assert _strided_order(placements, (2, 2, 2), 1) == [1, 2, 0]
+    assert _strided_order(placements, (2, 2, 2), 1) == {0: [1, 2, 0]}
     assert shard_pieces((5,), (2, 2, 2), (0, 1, 0), placements) == [piece((4,), (1,), (0,))]
     assert ordered_reading((5,), (2, 2, 2), (0, 1, 0), placements, None) == [piece((3,), (1,), (0,))]
     with pytest.raises(InvalidArgumentError, match=r"ambiguous layout: _StridedShard in .* \(from its split factors\)"):
         spec_pieces((5,), (2, 2, 2), (0, 1, 0), placements, None)
+    with pytest.raises(InvalidArgumentError, match=r"its local shard of shape \(1,\) fits both"):
+        spec_pieces((5,), (2, 2, 2), (0, 1, 0), placements, None, (1,))
+    with pytest.raises(InvalidArgumentError, match=r"its local shard of shape \(2,\) fits neither"):
+        spec_pieces((5,), (2, 2, 2), (0, 1, 0), placements, None, (2,))
     # Even shapes: both readings agree everywhere.
     for coordinate in itertools.product(range(2), repeat=3):
         assert spec_pieces((8,), (2, 2, 2), coordinate, placements, None) == shard_pieces(
@@ -385,7 +458,7 @@ def test_strided_order_is_torchs_decoding(data):
     assume(any(isinstance(p, _StridedShard) for p in placements))
     theirs = decode(placements, _Sizes(mesh_shape))
     ours = _strided_order(placements, mesh_shape, 2)
-    assert ours == (None if theirs is None else [d for entry in theirs for d in entry.mesh_dims])
+    assert ours == (None if theirs is None else {entry.tensor_dim: list(entry.mesh_dims) for entry in theirs})
 
 
 def ambiguous_spec_pieces():

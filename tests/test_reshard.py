@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.layout import spec_pieces
+from olmo_chunks.layout import shard_pieces, spec_pieces
 from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
@@ -105,7 +105,10 @@ def strided_ok(shape, specs, mesh_shape) -> bool:
     placements = tuple(build_placement(p) for p in specs)
     try:
         for coordinate in itertools.product(*map(range, mesh_shape)):
-            spec_pieces(shape, mesh_shape, coordinate, placements, None)
+            # the local shard `world.distribute` makes (left to right), where it holds anything
+            held = shard_pieces(shape, mesh_shape, coordinate, placements)
+            local = [max(p.local_offsets[d] + p.sizes[d] for p in held) for d in range(len(shape))] if held else None
+            spec_pieces(shape, mesh_shape, coordinate, placements, None, local)
     except InvalidArgumentError:
         return False
     for d in {p[1] for p in specs if p[0] == "SS"} if EVEN_STRIDED_ONLY else ():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def dtensor_pieces(dt: DTensor) -> list[Piece]:
     if coordinate is None:
         return []
     spec = (tuple(dt.shape), tuple(mesh.shape), tuple(coordinate), tuple(dt.placements),
-            getattr(dt._spec, "shard_order", None))
+            getattr(dt._spec, "shard_order", None), tuple(dt._local_tensor.shape))
     try:
         hash(spec)
     except TypeError:  # a placement or shard order that cannot be hashed: computed each time
@@ -79,6 +80,7 @@ def spec_pieces(
     coordinate: Sequence[int],
     placements: tuple[Placement, ...],
     shard_order: object,
+    local_shape: Sequence[int] | None = None,
 ) -> list[Piece]:
     """`shard_pieces` for a DTensor spec, whose `shard_order` (torch >= 2.10) may apply the shardings
     of one tensor dim in an order other than left to right; older torch has no such field.
@@ -88,24 +90,39 @@ def spec_pieces(
     factors encode (`redistribute` into the spec; FSDP2 over tensor parallelism, which shards each
     TP shard). Torch 2.10 records that order beside the spec; later releases leave `shard_order`
     None and derive it when asked, as `_strided_order` does here. Both readings are computed and must
-    agree at this coordinate (whichever made the data, these pieces are then the ones it holds);
-    where they do not, the spec is ambiguous and refused (`InvalidArgumentError`). They disagree on
-    some uneven shapes: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2 mesh, where
-    `distribute_tensor` puts row 8 on coordinate (3, 0) and `redistribute` on (3, 1) (torch 2.10 and
-    2.15); on a 3-D mesh the two can hold as many rows as each other, and other ones.
+    agree at this coordinate (whichever made the data, these pieces are then the ones it holds).
+    They disagree on some uneven shapes: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2
+    mesh, where `distribute_tensor` puts row 8 on coordinate (3, 0) and `redistribute` on (3, 1)
+    (torch 2.10 and 2.15). There the local shard's shape tells which made it, where just one reading
+    holds that many rows (so it is on every 2-D mesh); else (on a 3-D mesh the two can hold as many
+    rows as each other, and other ones) the spec is ambiguous and refused (`InvalidArgumentError`).
     """
     left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
     ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)
-    if ordered is None:
-        return left_to_right
-    if any(isinstance(p, _StridedShard) for p in placements) and ordered != left_to_right:
-        raise InvalidArgumentError(
-            f"ambiguous layout: _StridedShard in {placements} with the shard order it encodes "
-            f"({shard_order or 'from its split factors'}): at coordinate {tuple(coordinate)} of mesh "
-            f"{tuple(mesh_shape)}, a tensor of shape {tuple(global_shape)} holds other elements when "
-            "`distribute_tensor` made it than when `redistribute` or FSDP2 over tensor parallelism did; make "
-            "the sharded dims divisible by the mesh sizes")
-    return ordered
+    if ordered is None or ordered == left_to_right or not any(isinstance(p, _StridedShard) for p in placements):
+        return left_to_right if ordered is None else ordered
+    # A shard_order other than the one the split factors encode (a spec torch 2.10 lets one build)
+    # describes neither reading: no shape can tell which holds.
+    told = shard_order is None or _order_of(shard_order) == _strided_order(placements, mesh_shape, len(global_shape))
+    fits = [r for r in (left_to_right, ordered) if told and local_shape is not None and _fits(r, local_shape)]
+    if len(fits) == 1:
+        return fits[0]
+    raise InvalidArgumentError(
+        f"ambiguous layout: _StridedShard in {placements} with the shard order it encodes "
+        f"({shard_order or 'from its split factors'}): at coordinate {tuple(coordinate)} of mesh "
+        f"{tuple(mesh_shape)}, a tensor of shape {tuple(global_shape)} holds other elements when "
+        "`distribute_tensor` made it than when `redistribute` or FSDP2 over tensor parallelism did"
+        + ("" if local_shape is None else
+           f", and its local shard of shape {tuple(local_shape)} fits {'both' if fits else 'neither'}")
+        + "; make the sharded dims divisible by the mesh sizes")
+
+
+def _fits(pieces: list[Piece], local_shape: Sequence[int]) -> bool:
+    """Whether `pieces` tile a local tensor of `local_shape`."""
+    if not pieces:
+        return math.prod(local_shape) == 0
+    extents = (max(p.local_offsets[d] + p.sizes[d] for p in pieces) for d in range(len(local_shape)))
+    return tuple(extents) == tuple(local_shape)
 
 
 def ordered_reading(
@@ -118,28 +135,33 @@ def ordered_reading(
     """The pieces with each `_StridedShard` as the `Shard` it strides and the shardings applied in
     the order `shard_order` gives or, where it is None, the split factors encode; None where that
     order is left to right, or no order gives the split factors."""
+    per_dim: dict[int, list[int]] | None
     if shard_order is not None:
-        entries = [tuple(entry.mesh_dims) for entry in shard_order]  # type: ignore[attr-defined]
-        if all(list(mesh_dims) == sorted(mesh_dims) for mesh_dims in entries):
-            return None
-        order: list[int] | None = [d for mesh_dims in entries for d in mesh_dims]
+        per_dim = _order_of(shard_order)
     elif any(isinstance(p, _StridedShard) for p in placements):
-        order = _strided_order(placements, mesh_shape, len(global_shape))
+        per_dim = _strided_order(placements, mesh_shape, len(global_shape))
     else:
         return None
-    if order is None:
+    if per_dim is None or all(mesh_dims == sorted(mesh_dims) for mesh_dims in per_dim.values()):
         return None
     # Shardings of different tensor dims commute, so one flat order serves them all.
+    order = [d for mesh_dims in per_dim.values() for d in mesh_dims]
     order += [d for d in range(len(placements)) if d not in order]
     plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
     return _pieces(global_shape, mesh_shape, coordinate, plain, order)
 
 
-def _strided_order(placements: tuple[Placement, ...], mesh_shape: Sequence[int], ndim: int) -> list[int] | None:
-    """The mesh dims in the order their shardings apply, as `_StridedShard` split factors encode it
-    (torch derives the same where a spec leaves `shard_order` None): from the right, each sharding of
-    a tensor dim goes where the mesh dims ordered before it multiply to its split factor (1 for a
-    `Shard`). None where no order gives the split factors."""
+def _order_of(shard_order: object) -> dict[int, list[int]]:
+    """A DTensor spec's `shard_order` as the mesh dims sharding each tensor dim, in order."""
+    return {int(e.tensor_dim): list(e.mesh_dims) for e in shard_order}  # type: ignore[attr-defined]
+
+
+def _strided_order(placements: tuple[Placement, ...], mesh_shape: Sequence[int],
+                   ndim: int) -> dict[int, list[int]] | None:
+    """The mesh dims sharding each tensor dim, in the order their shardings apply, as `_StridedShard`
+    split factors encode it (torch derives the same where a spec leaves `shard_order` None): from the
+    right, each sharding of a tensor dim goes where the mesh dims ordered before it multiply to its
+    split factor (1 for a `Shard`). None where no order gives the split factors."""
     per_dim: dict[int, list[int]] = {}
     for mesh_dim in reversed(range(len(placements))):
         p = placements[mesh_dim]
@@ -156,7 +178,7 @@ def _strided_order(placements: tuple[Placement, ...], mesh_shape: Sequence[int],
                 product *= mesh_shape[order[at]]
         else:
             return None
-    return [d for _, dims in sorted(per_dim.items()) for d in dims]
+    return dict(sorted(per_dim.items()))
 
 
 def _pieces(

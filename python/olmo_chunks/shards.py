@@ -90,7 +90,16 @@ def describe(key: str, value: Any) -> TensorShard:
             pieces = dtensor_pieces(value)
         except ValueError as exc:
             raise InvalidArgumentError(f"{key!r}: {exc}") from None
-        shard = TensorShard(value.dtype, tuple(value.shape), _plain(key, value.to_local()), pieces)
+        local = value.to_local()
+        if any(len(p.sizes) != local.dim()
+               or any(o + n > m for o, n, m in zip(p.local_offsets, p.sizes, local.shape, strict=True))
+               for p in pieces):
+            # A DTensor built by hand (from_local without run_check): its bytes would not fill its pieces.
+            raise InvalidArgumentError(
+                f"{key!r}: the local shard of shape {tuple(local.shape)} is smaller than what "
+                f"{tuple(value.placements)} of a {tuple(value.shape)} tensor place on this rank: "
+                f"{[(p.global_offsets, p.sizes) for p in pieces]}")
+        shard = TensorShard(value.dtype, tuple(value.shape), _plain(key, local), pieces)
     elif isinstance(value, torch.Tensor):
         value = _plain(key, value)
         shape = tuple(value.shape)
