@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.layout import shard_pieces, spec_pieces
+from olmo_chunks.layout import _CHUNKS_STRIDE_WHOLE, shard_pieces, spec_pieces
 from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
@@ -187,3 +187,51 @@ def test_1d_mesh_on_2d_mesh_shard_grid(tmp_path):
     assert world.run(3, load_and_check, path2, col, None) == [[]] * 3
     m = olmo_chunks._core.Manifest.open(path2)
     assert m.tensors[0].chunks == 4 and math.prod(shape) * 4 == m.tensors[0].nbytes
+
+
+def fsdp_over_tp_worker(path: str, rows: int):
+    """FSDP2 over tensor parallelism (dp 4 x tp 2) of a Linear with `rows` output rows: its weight is
+    `(_StridedShard(0, sf=2), Shard(0))`, each TP shard's rows sharded over dp. Saves the state dict,
+    loads it into a model made with other values; returns the placements, the local rows, and whether
+    the loaded weight equals the saved one."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(3, rows, bias=False))
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel()})
+        fully_shard(m, mesh=mesh["dp"])
+        return m
+
+    saved = model(0)
+    olmo_chunks.save({"model": saved.state_dict()}, path)
+    loaded = model(1)
+    olmo_chunks.load({"model": loaded.state_dict()}, path)
+    w = saved[0].weight
+    return str(tuple(w.placements)), w.to_local().shape[0], torch.equal(loaded[0].weight.full_tensor(), w.full_tensor())
+
+
+@pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"), reason="this torch's FSDP2 needs an accelerator")
+def test_fsdp2_over_tensor_parallel_with_uneven_rows_round_trips(tmp_path):
+    """9 rows: FSDP2 keeps each TP shard's rows together (rank 6 holds none, rank 7 row 8), which
+    `distribute_tensor` of the same spec would not. Before, that save failed at its commit
+    (CorruptManifestError: "chunk 6: byte length 0 does not match its region"). Before torch 2.10,
+    whose left-to-right split differs, rank 3's one row fits both readings: refused as ambiguous."""
+    path = str(tmp_path / "ckpt")
+    if _CHUNKS_STRIDE_WHOLE:  # torch 2.8 and 2.9 split left to right otherwise
+        with pytest.raises(world.WorldError, match=r"ambiguous layout.*fits both"):
+            world.run(8, fsdp_over_tp_worker, path, 9)  # rank 3's one row could be either reading's
+        return
+    results = world.run(8, fsdp_over_tp_worker, path, 9)
+    assert {placements for placements, _, _ in results} == {"(_StridedShard(dim=0, sf=2), Shard(dim=0))"}
+    assert [n for _, n, _ in results] == [2, 1, 2, 1, 1, 1, 0, 1]
+    assert all(same for _, _, same in results)
+    back = {"model": {"0.weight": torch.zeros(9, 3)}}
+    olmo_chunks.load(back, path)
+    torch.manual_seed(0)
+    assert torch.equal(back["model"]["0.weight"], torch.nn.Linear(3, 9, bias=False).weight.detach())

@@ -94,8 +94,9 @@ def spec_pieces(
     They disagree on some uneven shapes: (_StridedShard(0, sf=2), Shard(0)) of 9 rows on a 4 x 2
     mesh, where `distribute_tensor` puts row 8 on coordinate (3, 0) and `redistribute` on (3, 1)
     (torch 2.10 and 2.15). There the local shard's shape tells which made it, where just one reading
-    holds that many rows (so it is on every 2-D mesh); else (on a 3-D mesh the two can hold as many
-    rows as each other, and other ones) the spec is ambiguous and refused (`InvalidArgumentError`).
+    holds that many rows (from torch 2.10, on every 2-D mesh); else (on a 3-D mesh, or before 2.10,
+    the two can hold as many rows as each other, and other ones) the spec is ambiguous and refused
+    (`InvalidArgumentError`).
     """
     left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
     ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)
