@@ -333,36 +333,33 @@ def test_a_redistributed_uneven_strided_shard_is_read_by_its_local_shape():
         assert [v for p in pieces for v in range(p.global_offsets[0], p.global_offsets[0] + p.sizes[0])] == held
 
 
-def save_strided_9(path: str, made_by: str, rows: int, cols: int) -> None:
-    """Saves a `rows` x `cols` tensor as STRIDED_9's spec, made by `distribute_tensor` ("left") or by
+def strided_9(made_by: str, rows: int, cols: int) -> DTensor:
+    """A `rows` x `cols` tensor as STRIDED_9's spec, made by `distribute_tensor` ("left") or by
     `redistribute` ("ordered")."""
-    import olmo_chunks
     from torch.distributed.tensor import Replicate as R
 
     mesh = world.mesh((4, 2))
     full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
     placements = STRIDED_9[2]
     if made_by == "left":
-        dt = world.distribute(full, mesh, placements)
-    else:
-        dt = world.distribute(full, mesh, [R(), R()]).redistribute(mesh, placements)
-    olmo_chunks.save({"w": dt}, path)
+        return world.distribute(full, mesh, placements)
+    return world.distribute(full, mesh, [R(), R()]).redistribute(mesh, placements)
+
+
+def save_strided_9(path: str, made_by: str, rows: int, cols: int) -> None:
+    import olmo_chunks
+
+    olmo_chunks.save({"w": strided_9(made_by, rows, cols)}, path)
 
 
 def load_strided_9(path: str, made_by: str, rows: int, cols: int) -> bool:
-    """Loads into zeros laid out as `save_strided_9` makes them; True where bit-exact."""
+    """Loads into zeros laid out as `strided_9` makes them; True where bit-exact."""
     import olmo_chunks
-    from torch.distributed.tensor import Replicate as R
 
-    mesh = world.mesh((4, 2))
-    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
-    placements = STRIDED_9[2]
-    if made_by == "left":
-        want = world.distribute(full, mesh, placements)
-    else:
-        want = world.distribute(full, mesh, [R(), R()]).redistribute(mesh, placements)
+    want = strided_9(made_by, rows, cols)
     got = want.to_local().clone().zero_()
-    dst = DTensor.from_local(got, mesh, placements, run_check=False, shape=want.shape, stride=want.stride())
+    dst = DTensor.from_local(got, want.device_mesh, want.placements, run_check=False, shape=want.shape,
+                             stride=want.stride())
     olmo_chunks.load({"w": dst}, path)
     return torch.equal(got, want.to_local())
 
