@@ -741,12 +741,25 @@ class Group:
                 other = self.store.get(key).decode(errors="replace")
                 same.add(gr)
                 if other != self.name:
+                    self._found_other_group(gr)
                     raise InvalidArgumentError(
                         f"the ranks of a call must pass the same process group: global rank {gr} is in its "
                         f"call of this place on process group {other!r}, while this rank (global rank "
                         f"{self.global_ranks[self.rank]}) called {self.op} on {self.name!r}, a group of the "
                         "same ranks (None is the default group); fix the call and restart the job")
         return same
+
+    def _found_other_group(self, gr: int) -> None:
+        """Says this rank found global rank `gr` on another group; global rank 0, the store's host,
+        first waits (up to peer_timeout) until `gr` has found it too: `gr` reads this rank's word
+        through that store, and a script whose rank 0 exits on the error took it away under `gr`,
+        which failed on the lost store instead (one CI run of four)."""
+        me = self.global_ranks[self.rank]
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.among}found/{me}", b"1")
+            deadline = time.monotonic() + self.peer_timeout
+            while me == 0 and not self.store.check([f"{self.among}found/{gr}"]) and time.monotonic() < deadline:
+                time.sleep(self.poll_interval)
 
     def _check_abort(self) -> None:
         note = f"{self.prefix}/abort"
