@@ -284,7 +284,7 @@ def _status_by_local_shape(coordinate, made_by) -> str:
     if left == ordered:
         return "ok"
     made = left if made_by == "left" else ordered
-    held = tuple(max(p.local_offsets[d] + p.sizes[d] for p in made) for d in range(3)) if made else (0, 1, 1)
+    held = layout.local_extent(made, 3) if made else (0, 1, 1)
     return "ok" if layout._fits(left, held) != layout._fits(ordered, held) else "ambiguous"
 
 

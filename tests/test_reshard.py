@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.layout import _CHUNKS_STRIDE_WHOLE, shard_pieces, spec_pieces
+from olmo_chunks.layout import _CHUNKS_STRIDE_WHOLE, local_extent, shard_pieces, spec_pieces
 from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
@@ -107,7 +107,7 @@ def strided_ok(shape, specs, mesh_shape) -> bool:
         for coordinate in itertools.product(*map(range, mesh_shape)):
             # the local shard `world.distribute` makes (left to right), where it holds anything
             held = shard_pieces(shape, mesh_shape, coordinate, placements)
-            local = [max(p.local_offsets[d] + p.sizes[d] for p in held) for d in range(len(shape))] if held else None
+            local = local_extent(held, len(shape)) if held else None
             spec_pieces(shape, mesh_shape, coordinate, placements, None, local)
     except InvalidArgumentError:
         return False

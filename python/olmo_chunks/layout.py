@@ -122,8 +122,14 @@ def _fits(pieces: list[Piece], local_shape: Sequence[int]) -> bool:
     """Whether `pieces` tile a local tensor of `local_shape`."""
     if not pieces:
         return math.prod(local_shape) == 0
-    extents = (max(p.local_offsets[d] + p.sizes[d] for p in pieces) for d in range(len(local_shape)))
-    return tuple(extents) == tuple(local_shape)
+    return local_extent(pieces, len(local_shape)) == tuple(local_shape)
+
+
+def local_extent(pieces: Sequence[Piece], ndim: int) -> tuple[int, ...]:
+    """The shape of the local tensor `pieces` tile (all zeros where there are none)."""
+    if not pieces:
+        return (0,) * ndim
+    return tuple(max(p.local_offsets[i] + p.sizes[i] for p in pieces) for i in range(ndim))
 
 
 def ordered_reading(

@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .errors import InvalidArgumentError
 from .experts import ExpertFlatView
-from .layout import Piece, spec_pieces
+from .layout import Piece, local_extent, spec_pieces
 from .mx import MXFP8Cache, to_mxfp8
 
 __all__ = ["compute_weights", "dtensor_weight", "expert_weight", "full_weight"]
@@ -39,12 +39,6 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _local_numel(pieces: Sequence[Piece]) -> int:
     return sum(math.prod(p.sizes) for p in pieces)
-
-
-def _local_shape(pieces: Sequence[Piece], ndim: int) -> tuple[int, ...]:
-    if not pieces:
-        return (0,) * ndim
-    return tuple(max(p.local_offsets[i] + p.sizes[i] for p in pieces) for i in range(ndim))
 
 
 def _all_gather_padded(buf: torch.Tensor, sizes: Sequence[int],
@@ -96,7 +90,7 @@ def dtensor_weight(dt: DTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Te
     out = torch.empty(shape, dtype=dtype, device=local.device)
     for c, flat in held:
         ps = pieces(c)
-        view = flat.reshape(_local_shape(ps, len(shape)))
+        view = flat.reshape(local_extent(ps, len(shape)))
         for p in ps:
             dst = tuple(slice(o, o + s) for o, s in zip(p.global_offsets, p.sizes, strict=True))
             src = tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))
