@@ -5,7 +5,7 @@
 # this file and the lock), holding that torch and the test tools only; the release abi3 wheel is
 # built once and installed into each (--no-deps), so the tests run on the package as users get it.
 # The lock's torch runs in the main venv (scripts/env.sh), where the whole suite also runs.
-# Usage: bash scripts/test_torch_versions.sh [VERSION ...]
+# Usage: bash scripts/test_torch_versions.sh [VERSION ...]   ("floor" and "locked" name those two)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -15,6 +15,11 @@ CORE_TESTS=(tests/test_layout.py tests/test_reshard.py tests/test_native.py test
 FLOOR="$(sed -n 's/^dependencies = .*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)"
 LOCKED="$(sed -n 's/^torch==\([^+]*\).*/\1/p' requirements-lock.txt)"
 if [ $# -eq 0 ]; then set -- "$FLOOR" "$LOCKED"; fi
+VERSIONS=()
+for V in "$@"; do
+    case "$V" in floor) VERSIONS+=("$FLOOR") ;; locked) VERSIONS+=("$LOCKED") ;; *) VERSIONS+=("$V") ;; esac
+done
+set -- "${VERSIONS[@]}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/olmo-chunks-torch.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 echo "[torch] maturin build --release (abi3)" >&2

@@ -84,9 +84,9 @@ def _stop_in_exchange(rank: int, path: str, victim: int, sig: int) -> tuple[str,
 def test_a_rank_stopped_or_killed_inside_the_exchange_fails_every_survivor(tmp_path, victim, sig):
     path = str(tmp_path / "ckpt")
     assert all(r[0] == "ok" for r in run_raw(2, _first, path))
-    results = run_raw(2, _stop_in_exchange, path, victim, sig, timeout=PEER_TIMEOUT + 10)
-    died = float(Path(f"{path}.died").read_text())
     survivor = 1 - victim
+    results = run_raw(2, _stop_in_exchange, path, victim, sig, timeout=PEER_TIMEOUT + 10, awaited=(survivor,))
+    died = float(Path(f"{path}.died").read_text())
     status, msg, end = results[survivor]
     assert status == "err" and msg.startswith("RankFailedError"), results
     assert f"rank {victim}" in msg and "process group is unusable" in msg, msg
@@ -186,6 +186,7 @@ def test_one_rank_with_an_unsupported_compression_fails_both_at_once(tmp_path):
 
 
 def _one_bad_call(rank: int, path: str, what: str) -> None:
+    ended = f"{path}.rank0-ended"
     try:
         if what == "peer_timeout":
             olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=0 if rank else PEER_TIMEOUT)
@@ -197,8 +198,10 @@ def _one_bad_call(rank: int, path: str, what: str) -> None:
         else:
             olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
     finally:
-        if rank == 1:
-            time.sleep(4 * PEER_TIMEOUT)  # alive and beating: rank 0 must not wait for it
+        if rank == 0:
+            Path(ended).touch()
+        else:  # alive and beating: rank 0 must not wait for it
+            _linger_until(ended, 4 * PEER_TIMEOUT)
 
 
 @pytest.mark.parametrize(("what", "error0", "error1"), [
@@ -273,7 +276,9 @@ def test_each_call_keeps_its_own_peer_timeout(tmp_path, what):
     from tests import world
 
     path, mark = str(tmp_path / "ckpt"), str(tmp_path / "stopped")
-    results = run_raw(2, _timeouts, path, what, world.free_port(), mark, timeout=60)
+    # A stopped host never answers: the run ends with rank 1's.
+    results = run_raw(2, _timeouts, path, what, world.free_port(), mark, timeout=60,
+                      awaited=(1,) if what == "stopped_host" else None)
     if what == "stopped_host":
         status, msg, end = results[1]
         assert status == "err" and "rank 0 died or stopped responding" in msg, results
@@ -311,12 +316,24 @@ def _frozen_host(rank: int, path: str, where: str) -> str:
     elif rank == 0:  # the store's host freezes in its write, or in the commit after the last check
         orig = getattr(SaveSession, where)
         setattr(SaveSession, where, lambda *args, **kwargs: (freeze(), orig(*args, **kwargs))[1])
+    ended = f"{path}.rank0-ended"
     try:
         olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
     finally:
-        if rank == 1 and where != "between":
-            time.sleep(PEER_TIMEOUT + 8)  # alive, and never calling again: a job that moved on
+        if rank == 0:
+            Path(ended).touch()
+        elif where != "between":  # alive, and never calling again (a job that moved on) until rank 0 has ended
+            _linger_until(ended, PEER_TIMEOUT + 8)
+            time.sleep(3.5 if where == "after_commit" else 0)  # and on: rank 0 must not wait for its exit
     return "saved"
+
+
+def _linger_until(marker: str, cap: float) -> None:
+    """Keeps this rank alive, and beating, until `marker` exists (another rank's call has ended),
+    or for `cap` seconds."""
+    deadline = time.time() + cap
+    while not os.path.exists(marker) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("where", ["write", "commit", "core_commit", "between", "after_commit"])
@@ -329,7 +346,8 @@ def test_a_store_host_frozen_past_peer_timeout_does_not_commit_what_the_others_r
     if where in ("between", "after_commit"):
         assert [r[:2] for r in results] == [("ok", "saved")] * 2, results  # type: ignore[index]
         assert holds(path, 2, 2)
-        # Rank 0 waited for rank 1's acknowledgement, which never came, until rank 1 exited.
+        # Rank 0 waited for rank 1's acknowledgement, which never came, until rank 1 exited; now
+        # it ends while rank 1 still lives.
         assert where == "between" or results[0][2] < results[1][2] - 3, results  # type: ignore[index]
         return
     (status0, msg0, _), (status1, msg1, _) = results  # type: ignore[misc]

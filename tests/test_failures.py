@@ -79,9 +79,11 @@ def _rank_main(rank: int, size: int, rendezvous: str, conn: mpc.Connection, fn: 
     os._exit(0)
 
 
-def run_raw(size: int, fn: Any, *args: Any, timeout: float = 120) -> list[tuple[str, Any, float] | None]:
+def run_raw(size: int, fn: Any, *args: Any, timeout: float = 120,
+            awaited: tuple[int, ...] | None = None) -> list[tuple[str, Any, float] | None]:
     """Runs `fn(rank, *args)` on a fresh gloo world; per rank `(status, result or error, end
-    time)`, or None for a rank that died. Ranks still running at `timeout` count as hung."""
+    time)`, or None for a rank that died. Ranks still running at `timeout`, or once every rank in
+    `awaited` (default: all) has ended, count as hung and are killed."""
     ctx = world._context()
     rendezvous = f"tcp://127.0.0.1:{world.free_port()}"
     pipes, procs = [], []
@@ -94,13 +96,21 @@ def run_raw(size: int, fn: Any, *args: Any, timeout: float = 120) -> list[tuple[
             pipes.append(parent)
             procs.append(p)
     out: list[Any] = [None] * size
+    running = dict(enumerate(pipes))
     deadline = time.monotonic() + timeout
-    for r, conn in enumerate(pipes):
-        if conn.poll(max(0.0, deadline - time.monotonic())):
-            with contextlib.suppress(EOFError):
-                out[r] = pickle.loads(conn.recv_bytes())
-        elif procs[r].is_alive():
+    while running and any(r in running for r in (range(size) if awaited is None else awaited)):
+        ready = mpc.wait(list(running.values()), max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for r, conn in list(running.items()):
+            if conn in ready:  # its answer, or the end of a process that died without one
+                with contextlib.suppress(EOFError):
+                    out[r] = pickle.loads(conn.recv_bytes())
+                del running[r]
+    for r in running:
+        if procs[r].is_alive():
             out[r] = ("hung", None, time.time())
+            procs[r].kill()
     for p in procs:
         p.join(5)
         if p.is_alive():
@@ -261,7 +271,7 @@ def test_a_keyboard_interrupt_on_one_rank_fails_all_at_once(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _racer(rank: int, path: str, version: int, start_at: float, hold: float) -> str:
+def _racer(rank: int, path: str, version: int, gate: str, delay: float, hold: float) -> str:
     from olmo_chunks.session import SaveSession
 
     if hold:
@@ -272,7 +282,15 @@ def _racer(rank: int, path: str, version: int, start_at: float, hold: float) -> 
             return orig(*a, **k)
 
         SaveSession.write = slow
-    time.sleep(max(0.0, start_at - time.time()))
+    # The race starts once the 4 ranks of both worlds are up: at the same moment on each.
+    tmp = Path(gate) / f".{version}-{rank}"
+    tmp.write_text(str(time.time()))
+    tmp.rename(Path(gate) / f"{version}-{rank}")
+    deadline = time.time() + 120
+    while len(ready := [p for p in Path(gate).iterdir() if not p.name.startswith(".")]) < 4:
+        assert time.time() < deadline, ready
+        time.sleep(0.01)
+    time.sleep(max(0.0, max(float(p.read_text()) for p in ready) + 0.2 + delay - time.time()))
     try:
         olmo_chunks.save(full_state(rank, 2, version), path, overwrite=True, peer_timeout=30)
     except (CheckpointLockedError, RankFailedError) as exc:
@@ -282,13 +300,14 @@ def _racer(rank: int, path: str, version: int, start_at: float, hold: float) -> 
 
 def _race(path: str, holds_a: float, delay_b: float) -> tuple[list, list]:
     """World A (version 10) and world B (version 20), 2 ranks each, saving to one path at once."""
+    import tempfile
     import threading
 
-    start = time.time() + 10  # both worlds are up by then
+    gate = tempfile.mkdtemp(dir=Path(path).parent)
     out: dict[str, list] = {}
-    ta = threading.Thread(target=lambda: out.__setitem__("a", run_raw(2, _racer, path, 10, start, holds_a)))
+    ta = threading.Thread(target=lambda: out.__setitem__("a", run_raw(2, _racer, path, 10, gate, 0.0, holds_a)))
     ta.start()
-    out["b"] = run_raw(2, _racer, path, 20, start + delay_b, 0.0)
+    out["b"] = run_raw(2, _racer, path, 20, gate, delay_b, 0.0)
     ta.join()
     return out["a"], out["b"]
 

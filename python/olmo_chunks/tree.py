@@ -41,14 +41,16 @@ def _is_tensorish(v: Any) -> bool:
 def _has_tensor(v: Any, key: str, depth: int, memo: dict[int, bool]) -> bool:
     """Whether `v` holds a tensor; `memo` keeps the answer per container (one held in many places
     is looked into once)."""
+    known = memo.get(id(v))  # only containers are kept, and they outlive the call: ids are theirs
+    if known is not None:
+        return known
     if _is_tensorish(v):
         return True
-    if not isinstance(v, (Mapping, list, tuple)):
+    if not isinstance(v, (list, tuple, Mapping)):
         return False
     if depth > MAX_DEPTH:
         raise InvalidArgumentError(f"{key!r}: nested more than {MAX_DEPTH} containers deep")
-    if id(v) not in memo:
-        memo[id(v)] = any(_has_tensor(x, key, depth + 1, memo) for x in (v.values() if isinstance(v, Mapping) else v))
+    memo[id(v)] = any(_has_tensor(x, key, depth + 1, memo) for x in (v.values() if isinstance(v, Mapping) else v))
     return memo[id(v)]
 
 
@@ -63,16 +65,17 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
     left = [MAX_ITEMS]
 
     def visit(prefix: str, container: Any, slot: Any, value: Any, depth: int = 0) -> None:
-        items: Iterable[tuple[Any, Any]]
         left[0] -= 1
         if left[0] < 0:
             raise InvalidArgumentError(f"{prefix!r}: more than {MAX_ITEMS} items in the state dict (a container "
                                        "held in several places counts each time)")
-        if isinstance(value, Mapping) and _has_tensor(value, prefix, depth, memo):
-            items = value.items()
-        elif isinstance(value, (list, tuple)) and _has_tensor(value, prefix, depth, memo):
-            items = enumerate(value)
-        else:
+        items: Iterable[tuple[Any, Any]] | None = None
+        if not isinstance(value, torch.Tensor) and _has_tensor(value, prefix, depth, memo):
+            if isinstance(value, (list, tuple)):
+                items = enumerate(value)
+            elif isinstance(value, Mapping):
+                items = value.items()
+        if items is None:  # a tensor, a chunk source, or a value without tensors
             if prefix in out:
                 raise InvalidArgumentError(f"two values flatten to the same key {prefix!r}")
             out[prefix] = Leaf(value, container, slot)
