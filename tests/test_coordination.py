@@ -186,7 +186,6 @@ def test_one_rank_with_an_unsupported_compression_fails_both_at_once(tmp_path):
 
 
 def _one_bad_call(rank: int, path: str, what: str) -> None:
-    ended = f"{path}.rank0-ended"
     try:
         if what == "peer_timeout":
             olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=0 if rank else PEER_TIMEOUT)
@@ -198,10 +197,7 @@ def _one_bad_call(rank: int, path: str, what: str) -> None:
         else:
             olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
     finally:
-        if rank == 0:
-            Path(ended).touch()
-        else:  # alive and beating: rank 0 must not wait for it
-            _linger_until(ended, 4 * PEER_TIMEOUT)
+        _outlive_rank_0(rank, path, 4 * PEER_TIMEOUT)  # alive and beating: rank 0 must not wait for it
 
 
 @pytest.mark.parametrize(("what", "error0", "error1"), [
@@ -316,21 +312,23 @@ def _frozen_host(rank: int, path: str, where: str) -> str:
     elif rank == 0:  # the store's host freezes in its write, or in the commit after the last check
         orig = getattr(SaveSession, where)
         setattr(SaveSession, where, lambda *args, **kwargs: (freeze(), orig(*args, **kwargs))[1])
-    ended = f"{path}.rank0-ended"
     try:
         olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True, peer_timeout=PEER_TIMEOUT)
     finally:
-        if rank == 0:
-            Path(ended).touch()
-        elif where != "between":  # alive, and never calling again (a job that moved on) until rank 0 has ended
-            _linger_until(ended, PEER_TIMEOUT + 8)
-            time.sleep(3.5 if where == "after_commit" else 0)  # and on: rank 0 must not wait for its exit
+        if where != "between":  # alive, and never calling again (a job that moved on)
+            _outlive_rank_0(rank, path, PEER_TIMEOUT + 8)
+            if rank == 1 and where == "after_commit":
+                time.sleep(3.5)  # and on: rank 0 must not wait for its exit
     return "saved"
 
 
-def _linger_until(marker: str, cap: float) -> None:
-    """Keeps this rank alive, and beating, until `marker` exists (another rank's call has ended),
-    or for `cap` seconds."""
+def _outlive_rank_0(rank: int, path: str, cap: float) -> None:
+    """Called as each rank's call has ended: rank 0 says so; any other rank stays alive, and
+    beating, until it has (at most `cap` seconds)."""
+    marker = f"{path}.rank0-ended"
+    if rank == 0:
+        Path(marker).touch()
+        return
     deadline = time.time() + cap
     while not os.path.exists(marker) and time.time() < deadline:
         time.sleep(0.05)
