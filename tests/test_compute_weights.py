@@ -4,8 +4,10 @@ with gloo collectives on real worlds, cast before any traffic."""
 import pytest
 import torch
 import torch.distributed as dist
+from olmo_chunks import layout
 from olmo_chunks.errors import InvalidArgumentError
 from olmo_chunks.experts import ExpertLayout
+from olmo_chunks.layout import LEFT_TO_RIGHT, ORDERED, ordered_reading, readings_differ, shard_pieces
 from olmo_chunks.weights import compute_weights, dtensor_weight, expert_weight, full_weight
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
@@ -84,6 +86,48 @@ def test_dtensor_weight_is_full_bf16(name, shape):
         assert dtypes <= {torch.bfloat16}  # cast before gathering
         # At most one gather per sharded mesh dim (none where all peers hold nothing), none for replicas.
         assert calls <= n_sharded and (calls > 0) == (n_sharded > 0)
+
+
+def _strided_case(mesh_shape, rows, made_by, whole=None):
+    """A (rows, 2) weight of (_StridedShard(0, sf=tp), Shard(0)) on a dp x tp mesh, each local shard
+    holding the rows that the `made_by` reading puts at its rank (torch 2.8/2.9's split where
+    `whole`); its compute weight, or the refusal."""
+    placements = (_StridedShard(0, split_factor=mesh_shape[1]), Shard(0))
+    mesh = world.mesh(mesh_shape)
+    full = fp32_values((rows, 2))
+    c = tuple(mesh.get_coordinate())
+    before = layout._CHUNKS_STRIDE_WHOLE
+    layout._CHUNKS_STRIDE_WHOLE = before if whole is None else whole
+    try:
+        pieces = shard_pieces(full.shape, mesh_shape, c, placements)
+        if made_by == ORDERED:
+            pieces = ordered_reading(full.shape, mesh_shape, c, placements, None)
+        local = torch.cat([full[p.global_offsets[0] : p.global_offsets[0] + p.sizes[0]] for p in pieces] + [full[:0]])
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+        return "ok", torch.equal(dtensor_weight(dt), full.to(torch.bfloat16))
+    except InvalidArgumentError as e:
+        return "refused", str(e)
+    finally:
+        layout._CHUNKS_STRIDE_WHOLE = before
+
+
+@pytest.mark.parametrize("made_by", [LEFT_TO_RIGHT, ORDERED])
+def test_dtensor_weight_of_a_strided_shard_that_reads_two_ways(made_by):
+    """7 rows on 3 x 2: `distribute_tensor`'s reading of the spec and the order its split factors
+    encode (`redistribute`, FSDP2 over TP) put other rows on some coordinates, of the same size as
+    the other reading's everywhere but one; the ranks agree from their shapes which made the weight,
+    and it comes out whole. Before, any coordinate where the readings differed refused it."""
+    spec = ((7, 2), (3, 2), (_StridedShard(0, split_factor=2), Shard(0)), None)
+    assert readings_differ(*spec)
+    assert world.run(6, _strided_case, (3, 2), 7, made_by) == [("ok", True)] * 6
+
+
+def test_dtensor_weight_refuses_a_strided_shard_whose_ranks_fit_both_readings():
+    """5 rows on 2 x 2 split as torch 2.8/2.9 do: the two readings put other rows on some rank with
+    the same shape at every rank, so no shape tells which made it."""
+    for status, detail in world.run(4, _strided_case, (2, 2), 5, ORDERED, True):
+        assert status == "refused" and detail.startswith("ambiguous layout: _StridedShard in"), detail
+        assert "every rank's local shard fits both" in detail
 
 
 def _expert_case(mp, dp, sharded, num_experts, expert_shape):

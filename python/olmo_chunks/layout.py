@@ -6,9 +6,9 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch.distributed.tensor.placement_types import (
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = ["Piece", "dtensor_pieces", "shard_pieces", "spec_pieces"]
+
+T = TypeVar("T")
 
 # Half-open [start, stop) range of global indices along one tensor dim.
 _Interval = tuple[int, int]
@@ -60,11 +62,17 @@ def dtensor_pieces(dt: DTensor) -> list[Piece]:
         return []
     spec = (tuple(dt.shape), tuple(mesh.shape), tuple(coordinate), tuple(dt.placements),
             getattr(dt._spec, "shard_order", None), tuple(dt._local_tensor.shape))
+    return list(_once_per_spec(_spec_pieces_cached, spec_pieces, spec))
+
+
+def _once_per_spec(cached: Callable[..., T], plain: Callable[..., Any], spec: tuple[Any, ...]) -> T:
+    """`cached(*spec)`, or `plain(*spec)` each time for a spec that cannot be hashed (a placement or
+    shard order of a torch that makes them unhashable)."""
     try:
         hash(spec)
-    except TypeError:  # a placement or shard order that cannot be hashed: computed each time
-        return spec_pieces(*spec)
-    return list(_spec_pieces_cached(*spec))
+    except TypeError:
+        return plain(*spec)  # type: ignore[no-any-return]
+    return cached(*spec)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -74,6 +82,12 @@ def _spec_pieces_cached(*spec: object) -> tuple[Piece, ...]:
     return tuple(spec_pieces(*spec))  # type: ignore[arg-type]
 
 
+# The two readings of a spec with `_StridedShard` (`spec_pieces`), by what made the tensor.
+Reading = Literal["left to right", "ordered"]
+LEFT_TO_RIGHT: Reading = "left to right"
+ORDERED: Reading = "ordered"
+
+
 def spec_pieces(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -81,6 +95,7 @@ def spec_pieces(
     placements: tuple[Placement, ...],
     shard_order: object,
     local_shape: Sequence[int] | None = None,
+    made_by: Reading | None = None,
 ) -> list[Piece]:
     """`shard_pieces` for a DTensor spec, whose `shard_order` (torch >= 2.10) may apply the shardings
     of one tensor dim in an order other than left to right; older torch has no such field.
@@ -100,7 +115,8 @@ def spec_pieces(
     such a coordinate, none above 706 rows: 27 rows on 3 x 4 at (2, 2)) and common before it (the
     2.8/2.9 split: 212 of 405 pairings of vocabulary and hidden sizes with dp 2-32 and tp 2-8). The
     other ranks' shapes would settle every such 2.10 case and 66 of those 212; the rest hold the same
-    shapes under both readings everywhere.
+    shapes under both readings everywhere. `made_by` names the reading where the ranks have agreed
+    it (`reading_fits`), for a spec that encodes its shard order.
     """
     left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
     ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)
@@ -109,6 +125,8 @@ def spec_pieces(
     # A shard_order other than the one the split factors encode (a spec torch 2.10 lets one build)
     # describes neither reading: no shape can tell which holds.
     told = shard_order is None or _order_of(shard_order) == _strided_order(placements, mesh_shape, len(global_shape))
+    if told and made_by is not None:
+        return left_to_right if made_by == LEFT_TO_RIGHT else ordered
     fits = [r for r in (left_to_right, ordered) if told and local_shape is not None and _fits(r, local_shape)]
     if len(fits) == 1:
         return fits[0]
@@ -120,6 +138,48 @@ def spec_pieces(
         + ("" if local_shape is None else
            f", and its local shard of shape {tuple(local_shape)} fits {'both' if fits else 'neither'}")
         + "; make the sharded dims divisible by the mesh sizes")
+
+
+def readings_differ(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
+                    shard_order: object) -> bool:
+    """Whether the two readings of a spec (`spec_pieces`) place other elements at some coordinate of
+    the mesh: the same answer on every rank, from the spec alone (once per distinct spec: it visits
+    every coordinate)."""
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return False
+    return _once_per_spec(_readings_differ_cached, _readings_differ,
+                          (tuple(global_shape), tuple(mesh_shape), tuple(placements), shard_order))
+
+
+@functools.lru_cache(maxsize=1024)
+def _readings_differ_cached(*spec: Any) -> bool:
+    return _readings_differ(*spec)
+
+
+def _readings_differ(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
+                     shard_order: object) -> bool:
+    if ordered_reading(global_shape, mesh_shape, (0,) * len(mesh_shape), placements, shard_order) is None:
+        return False  # (an order left to right: None at every coordinate)
+    return any(
+        _pieces(global_shape, mesh_shape, c, placements, range(len(placements)))
+        != ordered_reading(global_shape, mesh_shape, c, placements, shard_order)
+        for c in itertools.product(*map(range, mesh_shape)))
+
+
+def reading_fits(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                 placements: tuple[Placement, ...], shard_order: object,
+                 local_shape: Sequence[int]) -> tuple[bool, bool]:
+    """Whether a local shard of `local_shape` at `coordinate` fits the left-to-right reading of the
+    spec and the ordered one. The reading that every rank's shard fits, where just one does, is the
+    one that made the tensor: ranks that must agree on it reduce these with a minimum."""
+    if shard_order is not None and _order_of(shard_order) != _strided_order(placements, mesh_shape,
+                                                                           len(global_shape)):
+        raise InvalidArgumentError(
+            f"ambiguous layout: _StridedShard in {placements} with the shard order {shard_order}, which "
+            "contradicts the order its split factors encode: neither reading holds")
+    left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
+    ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)
+    return _fits(left_to_right, local_shape), _fits(left_to_right if ordered is None else ordered, local_shape)
 
 
 def _fits(pieces: list[Piece], local_shape: Sequence[int]) -> bool:
