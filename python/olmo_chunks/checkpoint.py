@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import _core, values
 from ._dist import DEFAULT_PEER_TIMEOUT, INLINE_BYTES, Group
@@ -26,6 +27,7 @@ from .errors import (
     named_error,
 )
 from .fill import STAGING_BYTES, Fill, FillStep, ReadOutcome, check_read_mode, check_workers
+from .layout import LEFT_TO_RIGHT, ORDERED, Reading, agreed_reading, local_readings
 from .location import checkpoint_location
 from .roles import check_roles, resolve_role
 from .session import SaveSession, staging_bytes, zstd_level
@@ -38,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 
-def open_manifest(group: Group, path: str | os.PathLike[str],
-                  args: Callable[[], Mapping[str, Any]] | None = None) -> _core.Manifest:
+def open_manifest(group: Group, path: str | os.PathLike[str], args: Callable[[], Mapping[str, Any]] | None = None,
+                  said: Callable[[], dict[str, tuple[bool, bool]]] | None = None
+                  ) -> tuple[_core.Manifest, dict[str, Reading]]:
     """The manifest committed at `path` (collective): rank 0 alone reads it from storage and
     hands its bytes to the others, so metadata reads do not grow with ranks: in the step's own
     outcome where every peer fetching it from the store moves at most `INLINE_BYTES` out of rank 0
@@ -47,31 +50,34 @@ def open_manifest(group: Group, path: str | os.PathLike[str],
     An error opening it is raised on every rank, as the same error. `args()` (checks and returns
     the call's arguments that must agree across ranks) runs in the first step and the arguments
     are compared, the path included: a bad or differing one is an error on every rank, never a
-    rank missing from the step."""
+    rank missing from the step. `said()` (`_readings`) rides in the same step: the readings the
+    ranks agree (`_agree`) come back with the manifest."""
     where = checkpoint_location(path)
     if group.size == 1:
         if args is not None:
             args()
-        return _core.Manifest.open(where)
+        return _core.Manifest.open(where), _agree([said() if said is not None else {}])
     raw: list[bytes] = []
 
-    def mine() -> dict[str, Any]:
-        return {"path": where, **(args() if args is not None else {})}
+    def mine() -> tuple[dict[str, Any], dict[str, tuple[bool, bool]]]:
+        return {"path": where, **(args() if args is not None else {})}, said() if said is not None else {}
 
-    def read(gathered: list[dict[str, Any]]) -> tuple[str, Any, str | bytes]:
-        group.check_same(gathered, f"loading {where}")
+    def read(gathered: list[tuple[dict[str, Any], dict[str, tuple[bool, bool]]]]
+             ) -> tuple[str, Any, str | bytes, dict[str, Reading]]:
+        group.check_same([a for a, _ in gathered], f"loading {where}")
+        made_by = _agree([r for _, r in gathered])
         try:
             raw.append(_core.Manifest.read_bytes(where))
         except OlmoChunksError as exc:
-            return ("error", type(exc).__name__, str(exc))
+            return ("error", type(exc).__name__, str(exc), {})
         inline = len(raw[0]) * (group.size - 1) <= INLINE_BYTES
-        return ("ok", len(raw[0]), raw[0] if inline else b"")
+        return ("ok", len(raw[0]), raw[0] if inline else b"", made_by)
 
-    _, (status, got, message) = group.exchange(mine, read)
+    _, (status, got, message, made_by) = group.exchange(mine, read)
     if status == "error":
         raise named_error(got, message)
     data = message if len(message) == got else group.broadcast_bytes(raw[0] if raw else None, got)
-    return _core.Manifest.from_bytes(where, bytes(data))
+    return _core.Manifest.from_bytes(where, bytes(data)), made_by
 
 
 @dataclass
@@ -104,43 +110,85 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched)
 
 
-def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None) -> dict[str, TensorShard]:
-    shards = {}
+def _describe_all(leaves: dict[str, Leaf], roles: Mapping[str, str] | None,
+                  made_by: Mapping[str, Reading] | None = None) -> dict[str, TensorShard]:
+    return {key: _describe(key, leaf, roles, (made_by or {}).get(key))
+            for key, leaf in leaves.items() if leaf.is_tensor}
+
+
+def _describe(key: str, leaf: Leaf, roles: Mapping[str, str] | None, made_by: Reading | None) -> TensorShard:
+    shard = describe(key, leaf.value, made_by)
+    if shard.role is None:
+        shard.role = resolve_role(key, shard.local, roles)
+    return shard
+
+
+def _readings(leaves: dict[str, Leaf]) -> dict[str, tuple[bool, bool]]:
+    """What this rank's shards say of the DTensors whose `_StridedShard` spec reads two ways at its
+    coordinate (`layout.local_readings`): usually nothing."""
+    said = {}
     for key, leaf in leaves.items():
-        if leaf.is_tensor:
-            shard = describe(key, leaf.value)
-            if shard.role is None:
-                shard.role = resolve_role(key, shard.local, roles)
-            shards[key] = shard
-    return shards
+        if isinstance(leaf.value, DTensor):
+            try:
+                fits = local_readings(leaf.value)
+            except ValueError as exc:  # a spec that reads neither way
+                raise InvalidArgumentError(f"{key!r}: {exc}") from None
+            if fits is not None:
+                said[key] = fits
+    return said
 
 
-def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any]]]
+def _agree(said: list[dict[str, tuple[bool, bool]]]) -> dict[str, Reading]:
+    """Rank 0: the reading of each DTensor that reads two ways, from what the ranks said of their
+    shards (`_readings`; `layout.agreed_reading`): where a rank's own shape fits both readings, the
+    others' tell which made it."""
+    by_key: dict[str, list[tuple[bool, bool]]] = {}
+    for mine in said:
+        for key, fits in mine.items():
+            by_key.setdefault(key, []).append(fits)
+    return {key: agreed_reading(repr(key), fits) for key, fits in by_key.items()}
+
+
+def _plan(gathered: list[tuple[dict[str, Any], dict[str, Any], dict[str, tuple[bool, bool]]]]
           ) -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
     """Rank 0: check that ranks agree on every tensor, merge plain entries, and give every distinct
-    chunk one writer, balancing bytes across the ranks that hold it (replicas are written once)."""
+    chunk one writer, balancing bytes across the ranks that hold it (replicas are written once).
+    A rank whose shard of a tensor reads two ways (`_readings`) sent the regions of both, in its
+    local chunk order: the agreed one's are written. Returns, per rank, the indices of its local
+    chunks it writes."""
+    made_by = _agree([said for *_, said in gathered])
     problems: list[str] = []
     schema: dict[str, tuple[Any, ...]] = {}
     entries: dict[str, Any] = {}
     ids: dict[tuple[str, tuple[Any, ...]], int] = {}  # a chunk's replicas share its id
-    held: list[list[tuple[int, int]]] = []  # per rank, (id, bytes) in its local chunk order
-    for rank, (tensors, plain) in enumerate(gathered):
+    held: list[list[tuple[int, int]]] = []  # per rank, (id, bytes) of the chunks it may write
+    where: list[list[int]] = []  # per rank, the local index of each of those
+    for rank, (tensors, plain, _) in enumerate(gathered):
         held.append([])
-        for key, (dtype, shape, role, regions) in tensors.items():
+        where.append([])
+        local = 0
+        for key, (dtype, shape, role, *readings) in tensors.items():
             seen = schema.setdefault(key, (dtype, shape, role))
             if seen != (dtype, shape, role):
                 problems.append(f"{key}: rank {rank} has {(dtype, shape, role)}, another rank {seen}")
             item = torch_dtype(dtype).itemsize
-            for region in regions:
-                chunk = ids.setdefault((key, region), len(ids))
-                held[rank].append((chunk, item * region_numel(region)))
+            taken = int(made_by[key] == ORDERED) if len(readings) > 1 else 0
+            for i, regions in enumerate(readings):
+                if i != taken:
+                    local += len(regions)
+                    continue
+                for region in regions:
+                    chunk = ids.setdefault((key, region), len(ids))
+                    held[rank].append((chunk, item * region_numel(region)))
+                    where[rank].append(local)
+                    local += 1
         for key, v in plain.items():
             entries.setdefault(key, v)
     for key in entries.keys() & schema.keys():
         problems.append(f"{key}: a tensor on some ranks and a plain value on others")
     if problems:
         raise MismatchError(problems, header="ranks disagree on the state dict to save")
-    return _core.assign_writers(held), schema, entries
+    return [[at[i] for i in mine] for at, mine in zip(where, _core.assign_writers(held), strict=True)], schema, entries
 
 
 def save(
@@ -220,27 +268,35 @@ class SaveSteps:
         many staging bytes (nothing is written before `commit` then)."""
         local: dict[str, Any] = {}
 
-        def describe_local() -> tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]:
+        def describe_local() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool, dict[str, Any]]:
             self._check_args()
             self.session.zstd = zstd_level(*self.compression)
             leaves = flatten(state_dict)
-            shards = _describe_all(leaves, self.roles)
+            said = _readings(leaves)
             tensors: dict[str, tuple[Any, ...]] = {}
             chunks: list[ChunkItem] = []
-            for key, s in shards.items():
-                regions = list(s.regions())
-                tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, [r for r, _ in regions])
-                chunks.extend((key, r, d) for r, d in regions)
+            for key, leaf in leaves.items():
+                if not leaf.is_tensor:
+                    continue
+                # A shard that fits both readings here describes both; rank 0 takes the agreed one's.
+                shards = [_describe(key, leaf, self.roles, reading)
+                          for reading in ((LEFT_TO_RIGHT, ORDERED) if said.get(key) == (True, True) else (None,))]
+                readings = []
+                for s in shards:
+                    regions = list(s.regions())
+                    readings.append([r for r, _ in regions])
+                    chunks.extend((key, r, d) for r, d in regions)
+                tensors[key] = (dtype_name(s.dtype), list(s.shape), s.role, *readings)
             local["chunks"] = chunks
             plain = {k: values.encode(leaf.value, k) for k, leaf in leaves.items() if not leaf.is_tensor}
             fits = defer_lease_within is not None and staging_bytes(chunks) <= defer_lease_within
-            return tensors, plain, fits, self.args()
+            return tensors, plain, said, fits, self.args()
 
-        def begin(gathered: list[tuple[dict[str, Any], dict[str, Any], bool, dict[str, Any]]]
+        def begin(gathered: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool, dict[str, Any]]]
                   ) -> list[tuple[str, list[int]]]:
             self.group.check_same([args for *_, args in gathered], f"saving to {self.target}")
-            assign, self._plan["schema"], self._plan["entries"] = _plan([(t, p) for t, p, *_ in gathered])
-            save_id = "" if all(fits for _, _, fits, _ in gathered) else self._take_lease()
+            assign, self._plan["schema"], self._plan["entries"] = _plan([(t, p, r) for t, p, r, *_ in gathered])
+            save_id = "" if all(fits for *_, fits, _ in gathered) else self._take_lease()
             return [(save_id, mine) for mine in assign]
 
         _, (self.session.save_id, mine) = self.group.exchange(describe_local, begin, scatter=True)
@@ -356,13 +412,13 @@ def load(
 _Checked = tuple[LoadReport, list[Fill], dict[str, Leaf], dict[str, Any]]
 
 
-def _check_load(manifest: _core.Manifest, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-                strict: bool, partial: bool, roles: Mapping[str, str] | None) -> _Checked:
+def _check_load(manifest: _core.Manifest, leaves: dict[str, Leaf], path: str | os.PathLike[str], *,
+                strict: bool, partial: bool, roles: Mapping[str, str] | None,
+                made_by: Mapping[str, Reading]) -> _Checked:
     """One rank's side of what a load fills: its report (what is missing, unexpected or
     mismatched; `MismatchError` if `strict`), its fills, leaves and the checkpoint's plain
     values."""
-    leaves = flatten(state_dict)
-    shards = _describe_all(leaves, check_roles(roles))
+    shards = _describe_all(leaves, check_roles(roles), made_by)
     saved = {t.key: (i, t) for i, t in enumerate(manifest.tensors)}
     entries = values.entries(manifest)
     report = LoadReport()
@@ -441,16 +497,24 @@ def _encoded(value: Any, key: str) -> Any:
 
 def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *, strict: bool, partial: bool,
           roles: Mapping[str, str] | None, verify: bool, workers: int | None, read: str, t0: float) -> LoadReport:
+    leaves: dict[str, Leaf] = {}
+
+    def readings() -> dict[str, tuple[bool, bool]]:
+        leaves.update(flatten(state_dict))
+        return _readings(leaves)
+
     # `verify` too: read once, a rank that does not verify would hand unchecked bytes to one that does.
-    manifest = open_manifest(group, path, lambda: {"read": check_read_mode(read), "staging_bytes": STAGING_BYTES,
-                                                   "verify": bool(verify)})
+    manifest, made_by = open_manifest(group, path, lambda: {"read": check_read_mode(read),
+                                                            "staging_bytes": STAGING_BYTES, "verify": bool(verify)},
+                                      readings)
 
     # One step agrees on what to load and decides how to read it (`FillStep`).
     checked: list[_Checked] = []
     steps: list[FillStep] = []
 
     def check_and_describe() -> Any:
-        checked.append(_check_load(manifest, state_dict, path, strict=strict, partial=partial, roles=roles))
+        checked.append(_check_load(manifest, leaves, path, strict=strict, partial=partial, roles=roles,
+                                   made_by=made_by))
         steps.append(FillStep(manifest, checked[0][1], verify=verify, workers=workers, group=group, read=read,
                               source=checkpoint_location(path)))
         return steps[0].local()

@@ -54,25 +54,80 @@ def shard_pieces(
     return _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
 
 
-def dtensor_pieces(dt: DTensor) -> list[Piece]:
-    """Boxes of the global tensor held by this rank's local shard of `dt` (empty if not in the mesh)."""
+def dtensor_pieces(dt: DTensor, made_by: Reading | None = None) -> list[Piece]:
+    """Boxes of the global tensor held by this rank's local shard of `dt` (empty if not in the mesh);
+    `made_by` as in `spec_pieces`."""
+    spec = _dtensor_spec(dt)
+    if spec is None:
+        return []
+    return list(_once_per_spec(_spec_pieces_cached, spec_pieces, (*spec, made_by)))
+
+
+def _dtensor_spec(dt: DTensor) -> tuple[Any, ...] | None:
+    """The arguments of `spec_pieces` for this rank's shard of `dt` (None if not in the mesh)."""
     mesh = dt.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        return []
-    spec = (tuple(dt.shape), tuple(mesh.shape), tuple(coordinate), tuple(dt.placements),
+        return None
+    return (tuple(dt.shape), tuple(mesh.shape), tuple(coordinate), tuple(dt.placements),
             getattr(dt._spec, "shard_order", None), tuple(dt._local_tensor.shape))
-    return list(_once_per_spec(_spec_pieces_cached, spec_pieces, spec))
+
+
+def local_readings(dt: DTensor) -> tuple[bool, bool] | None:
+    """Where the two readings of `dt`'s spec (`spec_pieces`) place other elements at this rank's
+    coordinate, whether its local shard fits each (`reading_fits`); None where they agree (or the
+    rank is not in the mesh). What the ranks say together decides (`agreed_reading`)."""
+    if not any(isinstance(p, _StridedShard) for p in dt.placements):
+        return None
+    spec = _dtensor_spec(dt)
+    return None if spec is None else _once_per_spec(_local_readings_cached, _local_readings, spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_readings_cached(*spec: Any) -> tuple[bool, bool] | None:
+    return _local_readings(*spec)
+
+
+def _local_readings(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                    placements: tuple[Placement, ...], shard_order: object,
+                    local_shape: tuple[int, ...]) -> tuple[bool, bool] | None:
+    left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
+    ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)
+    if ordered is None or ordered == left_to_right:
+        return None
+    return reading_fits(global_shape, mesh_shape, coordinate, placements, shard_order, local_shape)
+
+
+def agreed_reading(what: str, fits: Sequence[tuple[bool, bool]]) -> Reading:
+    """The reading of a `_StridedShard` spec that made the tensor (`what`, for the errors), from
+    what each rank holding it said of its local shard (`local_readings`, `reading_fits`): the one
+    all of them fit. `InvalidArgumentError` where all fit both (no shape tells) or none fits all."""
+    left, ordered = all(f[0] for f in fits), all(f[1] for f in fits)
+    if left != ordered:
+        return LEFT_TO_RIGHT if left else ORDERED
+    if left:
+        raise InvalidArgumentError(
+            f"ambiguous layout of {what}: every rank's local shard fits both readings of its _StridedShard "
+            f"placements, {_READINGS}, so no shape tells which made it; make the sharded dims divisible by "
+            "the mesh sizes")
+    raise InvalidArgumentError(
+        f"{what}: the ranks' local shards fit neither reading of its _StridedShard placements together "
+        f"({_READINGS})")
+
+
+_READINGS = ("left to right (as `distribute_tensor` makes it) or in the order the split factors encode (as "
+             "`redistribute` and FSDP2 over tensor parallelism do)")
 
 
 def _once_per_spec(cached: Callable[..., T], plain: Callable[..., Any], spec: tuple[Any, ...]) -> T:
     """`cached(*spec)`, or `plain(*spec)` each time for a spec that cannot be hashed (a placement or
-    shard order of a torch that makes them unhashable)."""
+    shard order of a torch that makes them unhashable; a TypeError of the call itself comes again
+    from `plain`). Not `hash(spec)` first: torch's placements hash in Python, and that doubled the
+    cost of a `_StridedShard` key."""
     try:
-        hash(spec)
+        return cached(*spec)
     except TypeError:
         return plain(*spec)  # type: ignore[no-any-return]
-    return cached(*spec)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -114,9 +169,9 @@ def spec_pieces(
     rare from torch 2.10 (89 of the 20,691 uneven row counts below 1,500 on dp 2-8, tp 2-8 have
     such a coordinate, none above 706 rows: 27 rows on 3 x 4 at (2, 2)) and common before it (the
     2.8/2.9 split: 212 of 405 pairings of vocabulary and hidden sizes with dp 2-32 and tp 2-8). The
-    other ranks' shapes would settle every such 2.10 case and 66 of those 212; the rest hold the same
-    shapes under both readings everywhere. `made_by` names the reading where the ranks have agreed
-    it (`reading_fits`), for a spec that encodes its shard order.
+    ranks then agree it from all their shapes (`local_readings`, `agreed_reading`), which settles
+    every such 2.10 case and 66 of those 212 (the rest hold the same shapes under both readings
+    everywhere): `made_by` names the agreed reading, for a spec that encodes its shard order.
     """
     left_to_right = _pieces(global_shape, mesh_shape, coordinate, placements, range(len(placements)))
     ordered = ordered_reading(global_shape, mesh_shape, coordinate, placements, shard_order)

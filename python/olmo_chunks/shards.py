@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _core
 from .errors import InvalidArgumentError
-from .layout import Piece, dtensor_pieces
+from .layout import Piece, Reading, dtensor_pieces
 
 __all__ = ["ChunkItem", "ChunkSource", "Region", "TensorShard", "check_dtype", "describe", "dtype_name",
            "is_chunk_source", "is_dense", "region_numel", "torch_dtype"]
@@ -82,12 +82,13 @@ def is_chunk_source(value: Any) -> bool:
     return callable(getattr(value, "tensor_shard", None))
 
 
-def describe(key: str, value: Any) -> TensorShard:
-    """The `TensorShard` of a state-dict value: a DTensor, a plain tensor (the whole global
-    tensor, the same on every rank that has it) or a `ChunkSource`."""
+def describe(key: str, value: Any, made_by: Reading | None = None) -> TensorShard:
+    """The `TensorShard` of a state-dict value: a DTensor (`made_by`: which reading of a
+    `_StridedShard` spec the ranks agreed, `layout.agreed_reading`), a plain tensor (the whole
+    global tensor, the same on every rank that has it) or a `ChunkSource`."""
     if isinstance(value, DTensor):
         try:
-            pieces = dtensor_pieces(value)
+            pieces = dtensor_pieces(value, made_by)
         except ValueError as exc:
             raise InvalidArgumentError(f"{key!r}: {exc}") from None
         local = value.to_local()

@@ -25,7 +25,15 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .errors import InvalidArgumentError
 from .experts import ExpertFlatView
-from .layout import LEFT_TO_RIGHT, ORDERED, Piece, Reading, local_extent, reading_fits, readings_differ, spec_pieces
+from .layout import (
+    Piece,
+    Reading,
+    agreed_reading,
+    local_extent,
+    reading_fits,
+    readings_differ,
+    spec_pieces,
+)
 from .mx import MXFP8Cache, to_mxfp8
 
 __all__ = ["compute_weights", "dtensor_weight", "expert_weight", "full_weight"]
@@ -113,15 +121,8 @@ def _made_by(dt: DTensor, coord: Sequence[int]) -> Reading:
         if size > 1:
             dist.all_reduce(fits, dist.ReduceOp.MIN, group=mesh.get_group(d))
     left, ordered = (bool(v) for v in fits.tolist())
-    if left != ordered:
-        return LEFT_TO_RIGHT if left else ORDERED
-    raise InvalidArgumentError(
-        f"ambiguous layout: _StridedShard in {placements} of a tensor of shape {tuple(dt.shape)} on mesh "
-        f"{tuple(mesh.shape)}: " + (
-            "every rank's local shard fits both the left-to-right reading (`distribute_tensor`) and the "
-            "ordered one (`redistribute`, FSDP2 over tensor parallelism)" if left else
-            "the ranks' local shards fit neither reading together")
-        + "; make the sharded dims divisible by the mesh sizes")
+    return agreed_reading(f"a tensor of shape {tuple(dt.shape)} placed {placements} on mesh {tuple(mesh.shape)}",
+                          [(left, ordered)])
 
 
 def expert_weight(view: ExpertFlatView, group: dist.ProcessGroup | None = None,
