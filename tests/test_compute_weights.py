@@ -4,7 +4,6 @@ with gloo collectives on real worlds, cast before any traffic."""
 import pytest
 import torch
 import torch.distributed as dist
-from olmo_chunks import layout
 from olmo_chunks.errors import InvalidArgumentError
 from olmo_chunks.experts import ExpertLayout
 from olmo_chunks.layout import LEFT_TO_RIGHT, ORDERED, ordered_reading, readings_differ, shard_pieces
@@ -13,6 +12,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from tests import world
+from tests.test_layout import strided_split
 
 PLACEMENTS = {
     "S0,S0": [Shard(0), Shard(0)],
@@ -96,19 +96,16 @@ def _strided_case(mesh_shape, rows, made_by, whole=None):
     mesh = world.mesh(mesh_shape)
     full = fp32_values((rows, 2))
     c = tuple(mesh.get_coordinate())
-    before = layout._CHUNKS_STRIDE_WHOLE
-    layout._CHUNKS_STRIDE_WHOLE = before if whole is None else whole
-    try:
+    with strided_split(whole):
         pieces = shard_pieces(full.shape, mesh_shape, c, placements)
         if made_by == ORDERED:
             pieces = ordered_reading(full.shape, mesh_shape, c, placements, None)
         local = torch.cat([full[p.global_offsets[0] : p.global_offsets[0] + p.sizes[0]] for p in pieces] + [full[:0]])
         dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-        return "ok", torch.equal(dtensor_weight(dt), full.to(torch.bfloat16))
-    except InvalidArgumentError as e:
-        return "refused", str(e)
-    finally:
-        layout._CHUNKS_STRIDE_WHOLE = before
+        try:
+            return "ok", torch.equal(dtensor_weight(dt), full.to(torch.bfloat16))
+        except InvalidArgumentError as e:
+            return "refused", str(e)
 
 
 @pytest.mark.parametrize("made_by", [LEFT_TO_RIGHT, ORDERED])

@@ -1,8 +1,10 @@
 """DTensor placements -> pieces of the global tensor, by hand and against torch on real gloo worlds."""
 
+import contextlib
 import importlib
 import itertools
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -154,6 +156,24 @@ def mesh_shapes(world_size: int) -> list[tuple[int, ...]]:
         for shape in itertools.product(range(1, world_size + 1), repeat=ndim)
         if math.prod(shape) == world_size
     ]
+
+
+@contextlib.contextmanager
+def strided_split(whole: bool | None) -> Iterator[None]:
+    """The layout code splitting a `_StridedShard` as torch 2.8/2.9 do where `whole`, as 2.10 and
+    later do where not (None: as this torch does), its caches (keyed by spec, not split) emptied on
+    the way in and out: a check of one release's layouts on another's torch, the shards cut by hand."""
+    caches = (layout._spec_pieces_cached, layout._local_readings_cached, layout._readings_differ_cached)
+    before = layout._CHUNKS_STRIDE_WHOLE
+    layout._CHUNKS_STRIDE_WHOLE = before if whole is None else whole
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        layout._CHUNKS_STRIDE_WHOLE = before
+        for cache in caches:
+            cache.cache_clear()
 
 
 def build_placement(spec: PlacementSpec):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from olmo_chunks import layout as layout_code
 from olmo_chunks.errors import InvalidArgumentError
 from olmo_chunks.layout import LEFT_TO_RIGHT, local_extent, ordered_reading, shard_pieces, spec_pieces
 from olmo_chunks.weights import dtensor_weight
@@ -18,7 +17,7 @@ from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
 from tests import world
-from tests.test_layout import build_placement, mesh_shapes
+from tests.test_layout import build_placement, mesh_shapes, strided_split
 
 DTYPES = ("float32", "bfloat16", "float16", "int64")
 BITS = {"float32": torch.int32, "bfloat16": torch.int16, "float16": torch.int16, "int64": torch.int64}
@@ -251,13 +250,7 @@ def strided_round_trip(path: str, mesh_shape: tuple[int, int], rows: int, made_b
     placements = (_StridedShard(0, split_factor=mesh_shape[1]), Shard(0))
     mesh = world.mesh(mesh_shape)
     full = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2)
-    caches = (layout_code._spec_pieces_cached, layout_code._local_readings_cached,
-              layout_code._readings_differ_cached)
-    before = layout_code._CHUNKS_STRIDE_WHOLE
-    layout_code._CHUNKS_STRIDE_WHOLE = whole
-    for cache in caches:
-        cache.cache_clear()
-    try:
+    with strided_split(whole):
         c = tuple(mesh.get_coordinate())
         pieces = (shard_pieces(full.shape, mesh_shape, c, placements) if made_by == LEFT_TO_RIGHT
                   else ordered_reading(full.shape, mesh_shape, c, placements, None))
@@ -274,10 +267,6 @@ def strided_round_trip(path: str, mesh_shape: tuple[int, int], rows: int, made_b
         olmo_chunks.load({"w": back}, path)
         olmo_chunks.load({"w": whole_back}, path)
         return "ok", torch.equal(back.to_local(), shard(full).to_local()) and torch.equal(whole_back, full)
-    finally:
-        layout_code._CHUNKS_STRIDE_WHOLE = before
-        for cache in caches:
-            cache.cache_clear()
 
 
 @pytest.mark.parametrize("made_by", ["left to right", "ordered"])
