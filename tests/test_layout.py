@@ -459,6 +459,25 @@ class _Sizes:
 
 
 @settings(deadline=None, max_examples=300)
+@given(data=st.data(), whole=st.booleans())
+def test_even_splits_read_one_way(data, whole):
+    """`splits_evenly` lets `readings_differ` skip its scan of every coordinate: where it holds,
+    the scan finds no coordinate whose readings differ, on either release's split."""
+    mesh_shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    choices = [Replicate()] + [Shard(d) for d in range(2)]
+    choices += [_StridedShard(d, split_factor=sf) for d in range(2) for sf in (1, 2, 3, 4, 6)]
+    placements = tuple(data.draw(st.lists(st.sampled_from(choices), min_size=len(mesh_shape),
+                                          max_size=len(mesh_shape))))
+    product = [math.prod(n for n, p in zip(mesh_shape, placements, strict=True)
+                         if isinstance(p, Shard | _StridedShard) and p.dim == d)
+               for d in range(2)]
+    shape = tuple(k * data.draw(st.integers(0, 3)) for k in product)
+    assert layout.splits_evenly(shape, mesh_shape, placements)
+    with strided_split(whole):
+        assert not layout._readings_differ(shape, mesh_shape, placements, None)
+
+
+@settings(deadline=None, max_examples=300)
 @given(data=st.data())
 def test_strided_order_is_torchs_decoding(data):
     """`_strided_order` against torch's own decoding of split factors, where torch has one."""
