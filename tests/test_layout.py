@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from olmo_chunks import layout
+from olmo_chunks import layout, weights
 from olmo_chunks.errors import InvalidArgumentError
 from olmo_chunks.layout import (
     Piece,
@@ -163,7 +163,8 @@ def strided_split(whole: bool | None) -> Iterator[None]:
     """The layout code splitting a `_StridedShard` as torch 2.8/2.9 do where `whole`, as 2.10 and
     later do where not (None: as this torch does), its caches (keyed by spec, not split) emptied on
     the way in and out: a check of one release's layouts on another's torch, the shards cut by hand."""
-    caches = (layout._spec_pieces_cached, layout._local_readings_cached, layout._readings_differ_cached)
+    caches = (layout._spec_pieces_cached, layout._local_readings_cached, layout._readings_differ_cached,
+              weights._pieces_by_coordinate)
     before = layout._CHUNKS_STRIDE_WHOLE
     layout._CHUNKS_STRIDE_WHOLE = before if whole is None else whole
     for cache in caches:

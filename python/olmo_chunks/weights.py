@@ -14,6 +14,7 @@ needs no care for MX blocks that straddle a shard boundary.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Literal, overload
@@ -78,9 +79,16 @@ def dtensor_weight(dt: DTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Te
     mesh_shape = tuple(mesh.shape)
     shard_order = getattr(dt._spec, "shard_order", None)
     made_by = _made_by(dt, coord) if readings_differ(shape, mesh_shape, placements, shard_order) else None
+    try:
+        memo = _pieces_by_coordinate(shape, mesh_shape, placements, shard_order, made_by)
+    except TypeError:  # a placement or shard order that cannot be hashed
+        memo = {}
 
     def pieces(c: Sequence[int]) -> list[Piece]:
-        return spec_pieces(shape, mesh_shape, c, placements, shard_order, made_by=made_by)
+        c = tuple(c)
+        if c not in memo:
+            memo[c] = spec_pieces(shape, mesh_shape, c, placements, shard_order, made_by=made_by)
+        return memo[c]
 
     local = _cast(dt.to_local(), dtype)
     if local.numel() != _local_numel(pieces(coord)):
@@ -106,6 +114,15 @@ def dtensor_weight(dt: DTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Te
             src = tuple(slice(o, o + s) for o, s in zip(p.local_offsets, p.sizes, strict=True))
             out[dst] = view[src]
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces_by_coordinate(*spec: object) -> dict[tuple[int, ...], list[Piece]]:
+    """The pieces of one spec (shape, mesh, placements, shard order, agreed reading) by mesh
+    coordinate, filled as `dtensor_weight` asks: a weight needs those of every coordinate it gathers
+    from, twice, and a model's layers share a few specs (every coordinate of a 512 x 8 FSDP-over-TP
+    mesh took 239 ms, of a 4,096-rank FSDP one 37 ms, per weight)."""
+    return {}
 
 
 def _made_by(dt: DTensor, coord: Sequence[int]) -> Reading:
