@@ -12,9 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-# An installed olmo_chunks carries the native module; the bare source tree must not shadow it.
-if importlib.util.find_spec("olmo_chunks") is None:
-    sys.path.insert(0, str(ROOT / "python"))
+# The tree under test where its native module is built in place (`maturin develop`), here, in
+# workers and in subprocesses: the venv that setup shares between clones points at whichever clone
+# ran `maturin develop` last, whose code would be tested otherwise. Else an installed olmo_chunks,
+# which carries its native module (a bare source tree must not shadow it).
+PACKAGE_ROOT = ROOT / "python"
+if any((PACKAGE_ROOT / "olmo_chunks").glob("_core*")) or importlib.util.find_spec("olmo_chunks") is None:
+    sys.path.insert(0, str(PACKAGE_ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
 # pytest's filterwarnings (pyproject.toml) governs this process only; spawned gloo workers and CLI
 # subprocesses, where most DCP and DTensor code runs, get the same rule through their environment.
 os.environ.setdefault("PYTHONWARNINGS", "error::DeprecationWarning,error::FutureWarning")
