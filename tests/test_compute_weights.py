@@ -6,13 +6,13 @@ import torch
 import torch.distributed as dist
 from olmo_chunks.errors import InvalidArgumentError
 from olmo_chunks.experts import ExpertLayout
-from olmo_chunks.layout import LEFT_TO_RIGHT, ORDERED, ordered_reading, readings_differ, shard_pieces
+from olmo_chunks.layout import LEFT_TO_RIGHT, ORDERED, readings_differ
 from olmo_chunks.weights import compute_weights, dtensor_weight, expert_weight, full_weight
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from tests import world
-from tests.test_layout import strided_split
+from tests.test_layout import strided_rows, strided_split
 
 PLACEMENTS = {
     "S0,S0": [Shard(0), Shard(0)],
@@ -89,19 +89,11 @@ def test_dtensor_weight_is_full_bf16(name, shape):
 
 
 def _strided_case(mesh_shape, rows, made_by, whole=None):
-    """A (rows, 2) weight of (_StridedShard(0, sf=tp), Shard(0)) on a dp x tp mesh, each local shard
-    holding the rows that the `made_by` reading puts at its rank (torch 2.8/2.9's split where
-    `whole`); its compute weight, or the refusal."""
-    placements = (_StridedShard(0, split_factor=mesh_shape[1]), Shard(0))
-    mesh = world.mesh(mesh_shape)
+    """A (rows, 2) weight cut by the `made_by` reading on a dp x tp mesh (`strided_rows`; torch
+    2.8/2.9's split where `whole`); its compute weight, or the refusal."""
     full = fp32_values((rows, 2))
-    c = tuple(mesh.get_coordinate())
     with strided_split(whole):
-        pieces = shard_pieces(full.shape, mesh_shape, c, placements)
-        if made_by == ORDERED:
-            pieces = ordered_reading(full.shape, mesh_shape, c, placements, None)
-        local = torch.cat([full[p.global_offsets[0] : p.global_offsets[0] + p.sizes[0]] for p in pieces] + [full[:0]])
-        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+        dt = strided_rows(full, world.mesh(mesh_shape), made_by)
         try:
             return "ok", torch.equal(dtensor_weight(dt), full.to(torch.bfloat16))
         except InvalidArgumentError as e:

@@ -22,6 +22,7 @@ from olmo_chunks.layout import (
     shard_pieces,
     spec_pieces,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
@@ -175,6 +176,17 @@ def strided_split(whole: bool | None) -> Iterator[None]:
         layout._CHUNKS_STRIDE_WHOLE = before
         for cache in caches:
             cache.cache_clear()
+
+
+def strided_rows(full: torch.Tensor, mesh: DeviceMesh, made_by: str) -> DTensor:
+    """`full` as (_StridedShard(0, sf=tp), Shard(0)) on a dp x tp `mesh`, each local shard cut by
+    hand to the rows the `made_by` reading (`layout.LEFT_TO_RIGHT` or `ORDERED`) puts at its rank."""
+    mesh_shape, c = tuple(mesh.shape), tuple(mesh.get_coordinate())
+    placements = (_StridedShard(0, split_factor=mesh_shape[1]), Shard(0))
+    pieces = (shard_pieces(full.shape, mesh_shape, c, placements) if made_by == layout.LEFT_TO_RIGHT
+              else ordered_reading(full.shape, mesh_shape, c, placements, None))
+    local = torch.cat([full[p.global_offsets[0] : p.global_offsets[0] + p.sizes[0]] for p in pieces] + [full[:0]])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def build_placement(spec: PlacementSpec):
@@ -541,8 +553,6 @@ def test_strided_shard_with_a_contrary_shard_order_is_refused():
 
 def pieces_outside_mesh():
     """A rank outside the DTensor's mesh holds nothing."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     mesh = DeviceMesh("cpu", [0, 1])
     dt = distribute_tensor(torch.arange(6), mesh, [Shard(0)])
     return dtensor_pieces(dt)

@@ -11,13 +11,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from olmo_chunks.errors import InvalidArgumentError
-from olmo_chunks.layout import LEFT_TO_RIGHT, local_extent, ordered_reading, shard_pieces, spec_pieces
+from olmo_chunks.layout import local_extent, shard_pieces, spec_pieces
 from olmo_chunks.weights import dtensor_weight
 from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
 from tests import world
-from tests.test_layout import build_placement, mesh_shapes, strided_split
+from tests.test_layout import build_placement, mesh_shapes, strided_rows, strided_split
 
 DTYPES = ("float32", "bfloat16", "float16", "int64")
 BITS = {"float32": torch.int32, "bfloat16": torch.int16, "float16": torch.int16, "int64": torch.int64}
@@ -241,32 +241,21 @@ def test_fsdp2_over_tensor_parallel_with_uneven_rows_round_trips(tmp_path):
 
 
 def strided_round_trip(path: str, mesh_shape: tuple[int, int], rows: int, made_by: str, whole: bool):
-    """(rows, 2) of (_StridedShard(0, sf=tp), Shard(0)) on a dp x tp mesh, each local shard holding
-    the rows the `made_by` reading puts at its rank, torch 2.8/2.9's split where `whole` (the
-    layout code's, set here; the shards are cut by hand): saved, then loaded into the same layout
-    and whole. Returns ("ok", bit-exact both times) or ("refused", message)."""
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
-
-    placements = (_StridedShard(0, split_factor=mesh_shape[1]), Shard(0))
+    """(rows, 2) cut by the `made_by` reading on a dp x tp mesh (`strided_rows`; torch 2.8/2.9's
+    split where `whole`): saved, then loaded into the same layout and whole. Returns ("ok",
+    bit-exact both times) or ("refused", message)."""
     mesh = world.mesh(mesh_shape)
     full = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2)
     with strided_split(whole):
-        c = tuple(mesh.get_coordinate())
-        pieces = (shard_pieces(full.shape, mesh_shape, c, placements) if made_by == LEFT_TO_RIGHT
-                  else ordered_reading(full.shape, mesh_shape, c, placements, None))
-
-        def shard(t: torch.Tensor) -> DTensor:
-            local = torch.cat([t[p.global_offsets[0] : p.global_offsets[0] + p.sizes[0]] for p in pieces] + [t[:0]])
-            return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
-
         try:
-            olmo_chunks.save({"w": shard(full)}, path)
+            olmo_chunks.save({"w": strided_rows(full, mesh, made_by)}, path)
         except InvalidArgumentError as e:
             return "refused", str(e)
-        back, whole_back = shard(torch.zeros_like(full)), torch.zeros_like(full)
+        back, whole_back = strided_rows(torch.zeros_like(full), mesh, made_by), torch.zeros_like(full)
         olmo_chunks.load({"w": back}, path)
         olmo_chunks.load({"w": whole_back}, path)
-        return "ok", torch.equal(back.to_local(), shard(full).to_local()) and torch.equal(whole_back, full)
+        return "ok", (torch.equal(back.to_local(), strided_rows(full, mesh, made_by).to_local())
+                      and torch.equal(whole_back, full))
 
 
 @pytest.mark.parametrize("made_by", ["left to right", "ordered"])

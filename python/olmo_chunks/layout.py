@@ -60,7 +60,7 @@ def dtensor_pieces(dt: DTensor, made_by: Reading | None = None) -> list[Piece]:
     spec = _dtensor_spec(dt)
     if spec is None:
         return []
-    return list(_once_per_spec(_spec_pieces_cached, spec_pieces, (*spec, made_by)))
+    return list(once_per_spec(_spec_pieces_cached, spec_pieces, (*spec, made_by)))
 
 
 def _dtensor_spec(dt: DTensor) -> tuple[Any, ...] | None:
@@ -80,7 +80,7 @@ def local_readings(dt: DTensor) -> tuple[bool, bool] | None:
     if not any(isinstance(p, _StridedShard) for p in dt.placements):
         return None
     spec = _dtensor_spec(dt)
-    return None if spec is None else _once_per_spec(_local_readings_cached, _local_readings, spec)
+    return None if spec is None else once_per_spec(_local_readings_cached, _local_readings, spec)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,7 +119,7 @@ _READINGS = ("left to right (as `distribute_tensor` makes it) or in the order th
              "`redistribute` and FSDP2 over tensor parallelism do)")
 
 
-def _once_per_spec(cached: Callable[..., T], plain: Callable[..., Any], spec: tuple[Any, ...]) -> T:
+def once_per_spec(cached: Callable[..., T], plain: Callable[..., Any], spec: tuple[Any, ...]) -> T:
     """`cached(*spec)`, or `plain(*spec)` each time for a spec that cannot be hashed (a placement or
     shard order of a torch that makes them unhashable; a TypeError of the call itself comes again
     from `plain`). Not `hash(spec)` first: torch's placements hash in Python, and that doubled the
@@ -202,7 +202,7 @@ def readings_differ(global_shape: Sequence[int], mesh_shape: Sequence[int], plac
     every coordinate)."""
     if not any(isinstance(p, _StridedShard) for p in placements) or splits_evenly(global_shape, mesh_shape, placements):
         return False
-    return _once_per_spec(_readings_differ_cached, _readings_differ,
+    return once_per_spec(_readings_differ_cached, _readings_differ,
                           (tuple(global_shape), tuple(mesh_shape), tuple(placements), shard_order))
 
 

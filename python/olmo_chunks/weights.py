@@ -31,6 +31,7 @@ from .layout import (
     Reading,
     agreed_reading,
     local_extent,
+    once_per_spec,
     reading_fits,
     readings_differ,
     spec_pieces,
@@ -79,10 +80,7 @@ def dtensor_weight(dt: DTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Te
     mesh_shape = tuple(mesh.shape)
     shard_order = getattr(dt._spec, "shard_order", None)
     made_by = _made_by(dt, coord) if readings_differ(shape, mesh_shape, placements, shard_order) else None
-    try:
-        memo = _pieces_by_coordinate(shape, mesh_shape, placements, shard_order, made_by)
-    except TypeError:  # a placement or shard order that cannot be hashed
-        memo = {}
+    memo = once_per_spec(_pieces_by_coordinate, lambda *_: {}, (shape, mesh_shape, placements, shard_order, made_by))
 
     def pieces(c: Sequence[int]) -> list[Piece]:
         c = tuple(c)
