@@ -3,10 +3,12 @@ real gloo worlds, against the native front door and against DCP's own planner an
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import olmo_chunks
 import pytest
 import torch
@@ -521,6 +523,83 @@ def test_non_plain_values_are_refused_on_save(tmp_path):
         dcp.save(sd, storage_writer=ChunkStoreWriter(tmp_path / "x"), **world.NO_DIST)
     assert [type(exc) for exc, _ in info.value.failures.values()] == [InvalidArgumentError]
     assert not (tmp_path / "x" / _core.MANIFEST_NAME).exists()
+
+
+_PLAIN = {
+    "empty bytes": b"",
+    "bytes": b"\x00\xff",
+    "empty BytesIO": io.BytesIO(),
+    "BytesIO": io.BytesIO(b"abc"),
+    "empty array": np.zeros(0),
+    "empty 2-d array": np.zeros((2, 0), dtype=np.uint8),
+    "array": np.arange(6, dtype=np.int16).reshape(2, 3),
+    "list": [b"", (1, "x"), None, float("inf"), 2**70],
+}
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, io.BytesIO) or isinstance(b, io.BytesIO):
+        return type(a) is type(b) and a.getvalue() == b.getvalue()
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("name", list(_PLAIN))
+def test_plain_values_load_back_as_through_dcps_own_storage(tmp_path, name):
+    """Each plain value comes back through ChunkStoreWriter/Reader as through FileSystemWriter/
+    Reader, type and all. Empty bytes (an empty BytesIO's or numpy array's data too) are pickled
+    by DCP as a call of `bytes`, which the writer refused until 2026-12-07."""
+    got = {}
+    for kind, writer, reader in [("stock", dcp.FileSystemWriter, dcp.FileSystemReader),
+                                 ("ours", ChunkStoreWriter, ChunkStoreReader)]:
+        path = tmp_path / kind
+        dcp.save({"w": torch.ones(2), "v": _PLAIN[name]}, storage_writer=writer(path), **world.NO_DIST)
+        back = {"w": torch.zeros(2), "v": None}
+        dcp.load(back, storage_reader=reader(path), **world.NO_DIST)
+        assert torch.equal(back["w"], torch.ones(2))
+        got[kind] = back["v"]
+    assert _same_value(got["ours"], _PLAIN[name]) and _same_value(got["ours"], got["stock"])
+
+
+def test_a_whole_state_dict_loads_back_nested_as_saved(tmp_path):
+    """`_EmptyStateDictLoadPlanner` (how `dcp_to_torch_save` reads a checkpoint whole) rebuilds
+    the nesting from the reader's object paths: keys starting with `$` keep theirs, as they do
+    through FileSystemReader (the paths came back still encoded, so the nesting was lost or the
+    load failed on a `TypeError`, until 2026-12-07)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd = {"$x": 3, "m": {"w": torch.ones(2), "$y": [1, b""]}, "$dict": torch.arange(3), "n": {"$z": {"k": 1.5}}}
+    got = {}
+    for kind, writer, reader in [("stock", dcp.FileSystemWriter, dcp.FileSystemReader),
+                                 ("ours", ChunkStoreWriter, ChunkStoreReader)]:
+        dcp.save(sd, storage_writer=writer(tmp_path / kind), **world.NO_DIST)
+        got[kind] = {}
+        _load_state_dict(got[kind], storage_reader=reader(tmp_path / kind), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    assert got["ours"].keys() == got["stock"].keys() == sd.keys()
+    assert torch.equal(got["ours"]["m"]["w"], sd["m"]["w"]) and torch.equal(got["ours"]["$dict"], sd["$dict"])
+    assert got["ours"]["m"]["$y"] == got["stock"]["m"]["$y"] == [1, b""]
+    assert got["ours"]["n"] == got["stock"]["n"] == {"$z": {"k": 1.5}} and got["ours"]["$x"] == 3
+
+
+def test_a_pickled_call_of_bytes_with_a_size_is_refused():
+    """Empty bytes unpickle through a call of `bytes()`; a crafted value that calls `bytes(n)` (a
+    DCP checkpoint given to import-dcp is untrusted) is refused before anything is allocated."""
+    from olmo_chunks.dcp.values import encode_object
+
+    buf = io.BytesIO()
+    torch.save(b"", buf, _use_new_zipfile_serialization=False)  # its pickles in plain sight
+    call = b"c__builtin__\nbytes\nq\x00)R"  # bytes()
+    assert buf.getvalue().count(call) == 1 and encode_object("v", buf.getvalue()) == {"$bytes": ""}
+    crafted = buf.getvalue().replace(call, b"c__builtin__\nbytes\nq\x00J\x00\x00\x00\x7f\x85R")  # bytes(2**31 - 2**24)
+    with pytest.raises(InvalidArgumentError, match=r"'v': only plain values.*\(bytes\(\) with arguments\)"):
+        encode_object("v", crafted)
 
 
 def _cached_planner():

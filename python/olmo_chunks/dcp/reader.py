@@ -127,7 +127,8 @@ class ChunkStoreReader(StorageReader):
                 raise CorruptCheckpointError(f"{self.path}: {fqn!r} is both a tensor and a value")
             md[fqn] = BytesStorageMetadata()
             paths[fqn] = path
-        saved_info = values.parse_json(m.info_json, f"{self.path}: manifest info") if m.info_json else None
+        saved_info = values.decode(values.parse_json(m.info_json, f"{self.path}: manifest info"),
+                                   "info") if m.info_json else None
         saved_paths = saved_info.get("dcp_paths") if isinstance(saved_info, dict) else None
         if isinstance(saved_paths, dict):
             for fqn, p in saved_paths.items():

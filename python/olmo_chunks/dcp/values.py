@@ -97,11 +97,20 @@ def dcp_leaves(key: str, value: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
     return out
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """`bytes()`, which is how pickle's protocol 2 (torch.save's) writes `b""` (an empty BytesIO's
+    or numpy array's data too); `bytes` with arguments is refused, so no value can ask for memory."""
+    if args:
+        raise TypeError("bytes() with arguments")
+    return b""
+
+
 def _numpy_globals() -> list[Any]:
     """What numpy arrays, scalars and dtypes of numeric and bool dtypes unpickle through (under
-    numpy 1's and numpy 2's module names), and io.BytesIO; never object or structured dtypes."""
+    numpy 1's and numpy 2's module names), io.BytesIO and empty bytes; never object or structured
+    dtypes."""
     core = getattr(np, "_core", None) or np.core
-    out: list[Any] = [np.ndarray, np.dtype, io.BytesIO]
+    out: list[Any] = [np.ndarray, np.dtype, io.BytesIO, (_empty_bytes, "builtins.bytes")]
     for fn in (core.multiarray._reconstruct, core.multiarray.scalar):
         out += [(fn, f"{mod}.multiarray.{fn.__name__}") for mod in ("numpy.core", "numpy._core")]
     codes = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
