@@ -19,6 +19,7 @@ from typing import Any
 import olmo_chunks
 import pytest
 import torch
+import torch.distributed as dist
 from olmo_chunks.errors import InvalidArgumentError
 
 from tests.test_failures import PEER_TIMEOUT, full_state, holds, run_raw, state
@@ -61,6 +62,44 @@ def test_a_late_or_gil_bound_rank_is_never_declared_dead(tmp_path, how):
         assert all(r is not None and r[0] == "ok" for r in results), (how, op, results)
         print(f"{how} rank 1, {op}: rank 0 waited {results[0][1]:.1f} s and succeeded (peer_timeout {PEER_TIMEOUT} s)")
     assert holds(path, 1, 2)
+
+
+# The timeout of the process group made for the next test.
+_GROUP_TIMEOUT = 6.0
+
+
+def _absent_past_the_groups_timeout(rank: int, path: str) -> tuple[str, float] | str:
+    from datetime import timedelta
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=_GROUP_TIMEOUT))
+    if rank == 1:  # alive, and never calling (stuck before its first save) until rank 0 has ended
+        deadline = time.time() + 60
+        while not Path(f"{path}.done").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        return "idle"
+    t0 = time.time()
+    try:
+        olmo_chunks.save(full_state(0, 2, 1), path, process_group=group, peer_timeout=PEER_TIMEOUT)
+        return "saved", time.time() - t0
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.time() - t0
+    finally:
+        Path(f"{path}.done").write_text("")
+
+
+def test_a_rank_that_never_arrives_fails_the_others_once_the_groups_own_timeout_passed(tmp_path):
+    """A rank that never starts an operation is waited for as long as the group's collectives
+    would wait: the timeout the group was made with. Until 2026-12-07 it was torch's default for
+    the backend (30 min on gloo) whatever the group said, and rank 0 then waited twice over (it
+    heard the others out, the absent one included) plus peer_timeout at the end."""
+    path = str(tmp_path / "ckpt")
+    results = run_raw(2, _absent_past_the_groups_timeout, path, timeout=60)
+    assert results[1] is not None and results[1][:2] == ("ok", "idle"), results
+    msg, waited = results[0][1]
+    assert msg == f"RankFailedError: rank 1 did not reach this step within the arrival timeout ({_GROUP_TIMEOUT:g} s)"
+    assert _GROUP_TIMEOUT <= waited < _GROUP_TIMEOUT + 3, waited
+    print(f"rank 1 absent: rank 0 raised after {waited:.1f} s (the group's timeout: {_GROUP_TIMEOUT:g} s)")
+    assert not os.path.exists(os.path.join(path, olmo_chunks.MANIFEST_NAME))
 
 
 def _stop_in_exchange(rank: int, path: str, victim: int, sig: int) -> tuple[str, float]:
@@ -222,7 +261,6 @@ def test_a_bad_call_on_one_rank_fails_every_rank_at_once(tmp_path, what, error0,
 
 
 def _locked(rank: int, path: str) -> None:
-    import torch.distributed as dist
     from olmo_chunks import _core
 
     held = _core.SaveTransaction.begin(path, True, 60.0) if rank == 0 else None  # a live writer's lease
@@ -244,7 +282,6 @@ def test_a_locked_path_is_checkpoint_locked_error_on_every_rank(tmp_path):
 
 
 def _timeouts(rank: int, path: str, what: str, port: int, mark: str) -> str:
-    import torch.distributed as dist
     from olmo_chunks.session import SaveSession
 
     olmo_chunks.save(full_state(rank, 2, 2), path, overwrite=True)  # the default peer_timeout (45 s)
@@ -298,7 +335,7 @@ def _frozen_host(rank: int, path: str, where: str) -> str:
     if where == "between":  # nobody waits for it meanwhile: no reason to fail the next save
         if rank == 0:
             freeze()
-        torch.distributed.barrier()
+        dist.barrier()
     elif rank == 0 and where == "after_commit":  # committed: rank 1 finds the manifest, and goes on
         orig = SaveSession.commit
         SaveSession.commit = lambda *args, **kwargs: (orig(*args, **kwargs), freeze())[0]  # type: ignore[method-assign]
@@ -401,7 +438,6 @@ def test_waiting_ranks_look_less_often_in_large_groups() -> None:
 
 
 def _world_or_none(rank: int, path: str) -> bool:
-    import torch.distributed as dist
 
     pg = dist.group.WORLD if rank == 1 else None
     olmo_chunks.save(full_state(rank, 2, 1), path, overwrite=True, process_group=pg, peer_timeout=PEER_TIMEOUT)
@@ -422,7 +458,6 @@ def test_none_and_the_world_group_are_one_group(tmp_path):
 
 
 def _subgroup_or_world(rank: int, path: str) -> tuple[str, float]:
-    import torch.distributed as dist
 
     sub = dist.new_group([0, 1])
     t0 = time.time()

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import olmo_chunks
@@ -425,6 +426,56 @@ def test_the_dcp_door_refuses_ranks_that_differ_on_verify(tmp_path):
         world.run(3, verify_unlike_rank_0_worker, path)
     messages = [f.message for f in err.value.failures]
     assert len(messages) == 3 and all("rank 1 passed verify=False, rank 0 verify=True" in m for m in messages), messages
+
+
+def dcp_groups_worker(root: str) -> dict[str, Any]:
+    """DCP on this process alone (`no_dist=True`, a group of one) and on pairs of ranks, with the
+    writer and reader on the world of 4 (given no group)."""
+    rank = dist.get_rank()
+    ones = [dist.new_group([r]) for r in range(4)]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    whole = torch.arange(8.0)
+    dcp.save({"w": distribute_tensor(whole, world.mesh((4,)), [Shard(0)])},
+             storage_writer=ChunkStoreWriter(f"{root}/world"))
+    out: dict[str, Any] = {}
+    for how, kw in [("no_dist", world.NO_DIST), ("group of one", {"process_group": ones[rank]})]:
+        if not kw:
+            continue  # torch 2.6's dcp.save has no no_dist
+        mine = {"w": torch.arange(6.0) + 10 * rank, "step": rank}
+        dcp.save(mine, storage_writer=ChunkStoreWriter(f"{root}/{how}/{rank}"), **kw)
+        back = {"w": torch.zeros(6), "step": -1}
+        dcp.load(back, storage_reader=ChunkStoreReader(f"{root}/{how}/{rank}"), **kw)
+        alone = {"w": torch.zeros(8)}  # the world's checkpoint, read whole by this rank alone
+        dcp.load(alone, storage_reader=ChunkStoreReader(f"{root}/world"), **kw)
+        out[how] = torch.equal(back["w"], mine["w"]) and back["step"] == rank and torch.equal(alone["w"], whole)
+    for what in ("save", "load"):
+        try:
+            if what == "save":
+                dcp.save({"w": torch.ones(2)}, storage_writer=ChunkStoreWriter(f"{root}/pair{rank // 2}"),
+                         process_group=pairs[rank // 2])
+            else:
+                dcp.load({"w": torch.zeros(8)}, storage_reader=ChunkStoreReader(f"{root}/world"),
+                         process_group=pairs[rank // 2])
+            out[what] = "no error"
+        except CheckpointException as exc:
+            out[what] = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
+    return out
+
+
+def test_dcp_on_this_process_alone_and_on_another_group(tmp_path):
+    """A DCP call on this process alone (`no_dist=True`, or a group of one, as a conversion on one
+    rank of a job makes) saves and loads with the writer and reader on the job's group, where
+    they refused until 2026-12-07 (they waited for the others' plans); a DCP call on another group
+    of several ranks is refused on every rank, and nothing is saved."""
+    refused = [f"InvalidArgumentError: {who}: DCP runs on another process group than this {who}'s; pass the "
+               f"process_group given to dcp to {who}(..., process_group=...) too"
+               for who in ("ChunkStoreWriter", "ChunkStoreReader")]
+    ways = {"no_dist": True} if world.NO_DIST else {}
+    assert world.run(4, dcp_groups_worker, str(tmp_path)) == [
+        {**ways, "group of one": True, "save": [refused[0]], "load": [refused[1]]}] * 4
+    assert not any((tmp_path / f"pair{i}" / _core.MANIFEST_NAME).exists() for i in range(2))
+    m = _core.Manifest.open(str(tmp_path / "group of one" / "3"))
+    assert values.parse_json(m.info_json, "info")["world_size"] == 1
 
 
 def test_cli_inspects_and_verifies_both_formats(tmp_path, capsys):

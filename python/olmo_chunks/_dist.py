@@ -306,9 +306,20 @@ def _process_link(peer_timeout: float) -> _Link:
 
 
 def _arrival_timeout(process_group: dist.ProcessGroup | None) -> float:
+    """How long a rank that has not started is waited for: `OLMO_CHUNKS_ARRIVAL_TIMEOUT`, else the
+    timeout the process group was made with (the longest of its backends'), as its collectives
+    would wait; torch's default for its backend where the group does not say (until 2026-12-07
+    always that default: 30 min on gloo, whatever `init_process_group(timeout=...)` said)."""
     env = env_setting("OLMO_CHUNKS_ARRIVAL_TIMEOUT", 0.0, float)
     if env:
         return env
+    pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    made = []
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):  # no backend for that device; a torch without the field
+            made.append(pg._get_backend(torch.device(device)).options._timeout.total_seconds())
+    if made:
+        return max(made)
     try:
         return dist.distributed_c10d._get_default_timeout(dist.get_backend(process_group)).total_seconds()
     except Exception:
@@ -378,9 +389,14 @@ class _Watch:
         if g.among is not None and now - self.t0 > g.peer_timeout:
             self.same |= g.check_one_group([gr for gr in want if gr not in self.same][:8])
         if now - self.t0 > g.arrival_timeout:
-            r = next((want[gr] for gr in want if gr not in self.started), want[next(iter(want))])
+            # One that never started (no heartbeat yet) is doing no part of this operation: it
+            # counts as dead, so that nobody waits for it again (rank 0 hearing out the others,
+            # the end of the operation), which took twice the timeout plus peer_timeout.
+            absent = [want[gr] for gr in want if gr not in self.started]
+            r = absent[0] if absent else want[next(iter(want))]
             raise RankFailedError(
-                f"rank {r} did not reach {what} within the arrival timeout ({g.arrival_timeout:g} s)", rank=r)
+                f"rank {r} did not reach {what} within the arrival timeout ({g.arrival_timeout:g} s)", rank=r,
+                dead=bool(absent))
 
 
 # -- the group ----------------------------------------------------------------------------------
@@ -411,9 +427,10 @@ class Group:
     (or leave the `with` block) at the end of the operation."""
 
     def __init__(self, process_group: dist.ProcessGroup | None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-                 op: str = "an olmo-chunks call") -> None:
+                 op: str = "an olmo-chunks call", *, alone: bool = False) -> None:
         """`op` names the call (`save`, `load`, ...): ranks making different calls on one process
-        group fail at the first step with `InvalidArgumentError`."""
+        group fail at the first step with `InvalidArgumentError`. `alone`: this process is the
+        group (rank 0 of 1) whatever `process_group` says (a DCP call with `no_dist=True`)."""
         self.op = op
         # A bad argument fails the first step (on every rank at once), not this rank before it.
         self.bad: InvalidArgumentError | None = None
@@ -423,7 +440,7 @@ class Group:
                 f"peer_timeout must be a positive number of seconds up to {_MAX_PEER_TIMEOUT:g}, got {peer_timeout!r}")
             peer_timeout = DEFAULT_PEER_TIMEOUT
         self.pg = process_group
-        self.rank, self.size = rank_and_size(process_group)
+        self.rank, self.size = (0, 1) if alone else rank_and_size(process_group)
         self.active = dist.is_available() and dist.is_initialized()
         self.peer_timeout = peer_timeout
         self.seq = 0

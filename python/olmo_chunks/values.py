@@ -82,7 +82,7 @@ def encode(value: Any, key: str, depth: int = 0, left: list[int] | None = None) 
         return {"$dict": [[k, encode(v, f"{key}.{k}", d, left)] for k, v in value.items()]}
     raise InvalidArgumentError(
         f"{key!r}: values of type {type(value).__name__} cannot be checkpointed as data "
-        "(use tensors, numbers, strings, bytes, lists, tuples, dicts or numpy arrays)"
+        "(use tensors, None, bools, ints, floats, strings, bytes, lists, tuples, dicts or numpy arrays)"
     )
 
 

@@ -46,28 +46,42 @@ def is_location(checkpoint_id: str | os.PathLike[str]) -> bool:
     return True
 
 
-def check_group(process_group: dist.ProcessGroup | None, rank: int | None, who: str,
-                 size: int | None = None) -> None:
-    """Refuses a DCP call on a process group other than the one the writer or reader was given
-    (its ranks coordinate on that group)."""
-    if not dist.is_initialized():
-        return
-    mine = (dist.get_rank(process_group), dist.get_world_size(process_group))
-    if (rank is not None and rank != mine[0]) or (size is not None and size != mine[1]):
-        raise InvalidArgumentError(
-            f"{who}: DCP runs on another process group than this {who}'s; pass the process_group given "
-            f"to dcp to {who}(..., process_group=...) too"
-        )
+def _other_group(who: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{who}: DCP runs on another process group than this {who}'s; pass the process_group given "
+        f"to dcp to {who}(..., process_group=...) too"
+    )
+
+
+def check_group(process_group: dist.ProcessGroup | None, rank: int | None, is_coordinator: bool, who: str) -> None:
+    """Refuses, at set-up, a DCP call whose rank for this process (`rank`, where this torch says
+    it) is not its rank in the writer's or reader's group (whose ranks coordinate its steps). DCP's
+    coordinator is let through: where DCP runs on this process alone (`no_dist=True`, a group of
+    one), every rank is one; `runs_alone` tells at the global plan."""
+    if dist.is_initialized() and rank is not None and rank != dist.get_rank(process_group) and not (
+            rank == 0 and is_coordinator):
+        raise _other_group(who)
+
+
+def runs_alone(process_group: dist.ProcessGroup | None, plans: int, who: str) -> bool:
+    """Whether the DCP call whose global plan has `plans` local plans runs on this process alone
+    (`no_dist=True`, or a group of one) while the writer's or reader's group is larger: its data
+    step then waits for no other rank. Refuses a DCP call on another group of several ranks."""
+    size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    if plans not in (1, size):
+        raise _other_group(who)
+    return plans < size
 
 
 def data_step(process_group: dist.ProcessGroup | None, peer_timeout: float, fn: Callable[[Group], Any],
-              op: str) -> Any:
+              op: str, alone: bool = False) -> Any:
     """Runs this rank's part of a DCP data step, `fn(group)`, whose steps go through `group` (its
     `agree`/`exchange`) so that a failure on any rank, a dead one included (no heartbeat for
     `peer_timeout`), is known to every rank before DCP's next collective; after a death that
-    collective is bounded too, where DCP alone would wait for the group's timeout."""
+    collective is bounded too, where DCP alone would wait for the group's timeout. `alone`: the
+    group is this process (`runs_alone`)."""
     try:
-        with Group(process_group, peer_timeout, op) as group:
+        with Group(process_group, peer_timeout, op, alone=alone) as group:
             return fn(group)
     except RankFailedError as exc:
         if exc.dead:

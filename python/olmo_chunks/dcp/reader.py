@@ -40,7 +40,7 @@ from ..errors import (
 from ..fill import Fill, check_read_mode, check_workers, fill
 from ..location import checkpoint_location, is_url
 from ..shards import torch_dtype
-from .common import check_group, data_step, dcp_extension, is_location, path_of
+from .common import check_group, data_step, dcp_extension, is_location, path_of, runs_alone
 from .values import dcp_leaves
 
 EXTENSION_REGISTRY = dcp_extension("ExtensionRegistry")
@@ -81,6 +81,7 @@ class ChunkStoreReader(StorageReader):
         self.verify = verify
         self.workers = check_workers(workers)
         self.process_group = process_group
+        self._alone = False  # DCP runs on this process alone (`runs_alone`)
         self.peer_timeout = peer_timeout
         self.load_id = uuid.uuid4().hex
         self._manifest: _core.Manifest | None = None
@@ -147,7 +148,8 @@ class ChunkStoreReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         m = self._open()
-        check_group(self.process_group, kwargs.get("rank"), "ChunkStoreReader")
+        check_group(self.process_group, kwargs.get("rank"), is_coordinator, "ChunkStoreReader")
+        self._alone = False
         sd = metadata.storage_data
         if isinstance(sd, Mapping) and sd.get("save_id") not in (None, m.save_id):
             raise InvalidArgumentError(
@@ -158,12 +160,12 @@ class ChunkStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        check_group(self.process_group, None, "ChunkStoreReader", len(plans))
+        self._alone = runs_alone(self.process_group, len(plans), "ChunkStoreReader")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         data_step(self.process_group, self.peer_timeout, lambda group: self._read_items(plan, planner, group),
-                  "dcp.load (ChunkStoreReader)")
+                  "dcp.load (ChunkStoreReader)", self._alone)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

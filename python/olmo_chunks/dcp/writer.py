@@ -34,7 +34,7 @@ from ..location import checkpoint_location, is_url
 from ..roles import check_roles, resolve_role
 from ..session import SaveSession, zstd_level
 from ..shards import ChunkItem, check_dtype, dtype_name
-from .common import check_group, data_step, dcp_extension, is_location, path_of
+from .common import check_group, data_step, dcp_extension, is_location, path_of, runs_alone
 from .values import encode_object, group_entries
 
 ZSTANDARD = dcp_extension("ZStandard")
@@ -128,6 +128,7 @@ class ChunkStoreWriter(StorageWriter):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict
         self.process_group = process_group
+        self._alone = False  # DCP runs on this process alone (`runs_alone`)
         self.peer_timeout = peer_timeout
         self.save_id: str | None = None
         self.is_coordinator = False
@@ -156,7 +157,8 @@ class ChunkStoreWriter(StorageWriter):
             raise InvalidArgumentError(
                 "ChunkStoreWriter commits one manifest for all ranks and needs use_collectives=True"
             )
-        check_group(self.process_group, kwargs.get("rank"), "ChunkStoreWriter")
+        check_group(self.process_group, kwargs.get("rank"), is_coordinator, "ChunkStoreWriter")
+        self._alone = False
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -173,7 +175,7 @@ class ChunkStoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.path is not None
         self._abort()
-        check_group(self.process_group, None, "ChunkStoreWriter", len(plans))
+        self._alone = runs_alone(self.process_group, len(plans), "ChunkStoreWriter")
         self._session = self._new_session(0)
         self._session.begin(self.overwrite, self.peer_timeout)
         # The save id does not travel in the plans: DCP's plan cache (`enable_plan_caching`, keyed
@@ -184,7 +186,8 @@ class ChunkStoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
             results = data_step(self.process_group, self.peer_timeout,
-                                functools.partial(self._data_step, plan, planner), "dcp.save (ChunkStoreWriter)")
+                                functools.partial(self._data_step, plan, planner), "dcp.save (ChunkStoreWriter)",
+                                self._alone)
         except BaseException:
             self._abort()  # the coordinator's: every rank has stopped writing by now
             raise
@@ -196,14 +199,14 @@ class ChunkStoreWriter(StorageWriter):
         """Every rank learns the coordinator's save id (the one rank holding the save), then writes."""
         mine = self._session.save_id if self._session is not None else None
         save_id = group.exchange(lambda: mine, lambda held: next((v for v in held if v is not None), None))[1]
-        return group.agree(lambda: self._write_items(save_id, plan, planner))
+        return group.agree(lambda: self._write_items(save_id, plan, planner, group.rank))
 
-    def _write_items(self, save_id: str | None, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    def _write_items(self, save_id: str | None, plan: SavePlan, planner: SavePlanner,
+                     rank: int) -> list[WriteResult]:
         assert self.path is not None
         if save_id is None:
             raise InvalidArgumentError("ChunkStoreWriter: no save was begun (was prepare_global_plan bypassed?)")
         self.save_id = save_id
-        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         results: list[WriteResult] = []
         chunks: list[ChunkItem] = []
         chunk_items = []
