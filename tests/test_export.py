@@ -471,6 +471,47 @@ def test_export_refuses_unmapped_and_nonfinite(tmp_path):
     assert not (tmp_path / "out2" / INDEX_NAME).exists()
 
 
+def test_a_refused_or_killed_export_leaves_the_model_already_there(tmp_path, monkeypatch):
+    """--overwrite replaces a model only with a complete one: a refused export (a nonfinite weight
+    found after other tensors were written) leaves the old one as it was, and a fresh OUT empty.
+    Until 2026-12-07 the old model was deleted first and the refused export left a shard holding
+    zeros for the refused tensor."""
+    good = {"a": torch.arange(4.0), "z": torch.ones(3, 2)}
+    olmo_chunks.save({"model": good}, tmp_path / "good")
+    bad = {"a": torch.arange(4.0) + 1, "z": torch.ones(3, 2)}
+    bad["z"][2, 1] = float("nan")
+    olmo_chunks.save({"model": bad}, tmp_path / "bad")
+    out = tmp_path / "out"
+    export_checkpoint(tmp_path / "good", out, format="safetensors", max_shard_bytes=16)  # a file per tensor
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(before) == 3
+    with pytest.raises(ConversionError, match=r"model\.z: nonfinite"):
+        export_checkpoint(tmp_path / "bad", out, format="safetensors", overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(ConversionError, match=r"model\.z: nonfinite"):
+        export_checkpoint(tmp_path / "bad", tmp_path / "fresh", format="safetensors")
+    assert list((tmp_path / "fresh").iterdir()) == []
+    # A killed export's hidden directory goes with the next export; the new model replaces the old.
+    from olmo_chunks.hf import export as export_module
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(export_module, "_publish", killed)
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # as if killed: the stage stays
+    with pytest.raises(RuntimeError, match="killed"):
+        export_checkpoint(tmp_path / "good", out, format="safetensors", overwrite=True)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")} == before
+    assert len([p for p in out.iterdir() if p.name.startswith(".olmo-chunks-export-")]) == 1
+    bad["z"][2, 1] = 5.0
+    olmo_chunks.save({"model": bad}, tmp_path / "bad", overwrite=True)
+    export_checkpoint(tmp_path / "bad", out, format="safetensors", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors", INDEX_NAME]
+    got = read_hf(out)
+    assert torch.equal(got["model.a"], bad["a"]) and torch.equal(got["model.z"], bad["z"])
+
+
 def test_values_beyond_the_target_dtype_are_refused_not_written_as_inf(tmp_path, capsys):
     # The finite check ran before the cast: --dtype fp16 wrote [1, 70000, -1e6] as [1, inf, -inf].
     olmo_chunks.save({"model": {"w": torch.ones(4, 4), "big": torch.tensor([1.0, 70000.0, -1e6])}}, tmp_path / "ck")

@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import _core, values
-from ..errors import CheckpointExistsError, ConversionError, InvalidArgumentError
+from ..errors import CheckpointExistsError, ConversionError, InvalidArgumentError, StorageError
 from ..location import checkpoint_location
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from ..shards import dtype_name
@@ -82,8 +84,10 @@ def export_checkpoint(  # noqa: PLR0915
     `mapping`), trims vocab padding to the saved vocab size and writes `config.json` (from
     `config` or the checkpoint's saved `hf_config`). `format="safetensors"` keeps native names
     (`include_moments` adds the Adam moments). `dtype` casts floating tensors (`bf16`, `fp32`).
-    A model already exported in `out` is replaced only with `overwrite=True`. Returns the index
-    written.
+    A model already exported in `out` is replaced only with `overwrite=True`, and only once the
+    new one is complete: it is written in a hidden directory in `out` and moved into place at the
+    end, so a failed or killed export leaves the old model as it was (or nothing), never a shard
+    with a tensor left unwritten. Returns the index written.
     """
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -151,34 +155,71 @@ def export_checkpoint(  # noqa: PLR0915
             "padded_vocab_size": plan.padded_vocab_size,
         }
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (INDEX_NAME, "model.safetensors"):
-        (out_dir / stale).unlink(missing_ok=True)
-    for old in out_dir.glob("model-*-of-*.safetensors"):
-        old.unlink()
-    writer = ShardedWriter(out_dir, planned, max_shard_bytes=max_shard_bytes, index_metadata=meta)
-    load = native_loader(manifest, workers)
+    stage = _stage(out_dir)
     try:
-        for e, (_, od, _) in zip(plan.entries, planned, strict=True):
-            assert e.source is not None
-            n = box_elems(memory_budget, [e.source.dtype.itemsize] * 3 + [od.itemsize])
-            for off, size in contiguous_boxes(e.shape, n):
-                # Checked after the cast: a finite weight can overflow a narrower dtype.
-                x, bad = cast_finite(read_planned(e, off, size, load), od)
-                if bad:
-                    raise ConversionError(
-                        [f"{e.source.key}: {bad} (exporting {e.hf_name})"],
-                        header="refusing to export nonfinite weights",
-                    )
-                writer.write(e.hf_name, x)
-                del x
-    except BaseException:
-        writer.abort()
-        raise
-    index = writer.close()
-    if cfg is not None:
-        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        writer = ShardedWriter(stage, planned, max_shard_bytes=max_shard_bytes, index_metadata=meta)
+        load = native_loader(manifest, workers)
+        try:
+            for e, (_, od, _) in zip(plan.entries, planned, strict=True):
+                assert e.source is not None
+                n = box_elems(memory_budget, [e.source.dtype.itemsize] * 3 + [od.itemsize])
+                for off, size in contiguous_boxes(e.shape, n):
+                    # Checked after the cast: a finite weight can overflow a narrower dtype.
+                    x, bad = cast_finite(read_planned(e, off, size, load), od)
+                    if bad:
+                        raise ConversionError(
+                            [f"{e.source.key}: {bad} (exporting {e.hf_name})"],
+                            header="refusing to export nonfinite weights",
+                        )
+                    writer.write(e.hf_name, x)
+                    del x
+        except BaseException:
+            writer.abort()
+            raise
+        index = writer.close()
+        if cfg is not None:
+            (stage / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        _publish(stage, out_dir, writer.files, with_config=cfg is not None)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return index
+
+
+_STAGE_PREFIX = ".olmo-chunks-export-"
+
+
+def _stage(out_dir: Path) -> Path:
+    """A new directory in `out_dir` where an export writes until it is complete; those that killed
+    exports left are removed first (only this module makes directories of that name)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for left in out_dir.glob(f"{_STAGE_PREFIX}*"):
+            if left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=out_dir))
+    except OSError as exc:
+        raise StorageError(f"{out_dir}: cannot write the export there ({type(exc).__name__}: {exc})") from None
+
+
+def _publish(stage: Path, out_dir: Path, files: list[str], *, with_config: bool) -> None:
+    """Moves a complete export from `stage` into `out_dir`, replacing the model there: its index
+    goes first (from then on `out_dir` holds no complete model), the new index comes last."""
+    try:
+        for stale in (INDEX_NAME, "model.safetensors"):
+            (out_dir / stale).unlink(missing_ok=True)
+        for old in out_dir.glob("model-*-of-*.safetensors"):
+            if old.name not in files:
+                old.unlink()
+        for name in [*files, *(["config.json"] if with_config else [])]:
+            os.replace(stage / name, out_dir / name)
+        os.replace(stage / INDEX_NAME, out_dir / INDEX_NAME)
+        fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StorageError(f"{out_dir}: cannot put the export in place ({type(exc).__name__}: {exc})") from None
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
