@@ -145,6 +145,19 @@ def test_a_state_larger_than_the_pool_is_written_in_parts(tmp_path):
     assert len(oc._core.Manifest.open(str(tmp_path / "c")).files) >= 4
 
 
+def test_a_failure_nobody_asks_the_future_for_is_logged(tmp_path, caplog):
+    """A script that never calls `result()` still hears of a failed background save (it ended as
+    if the checkpoint had been saved, silently, until 2026-12-07)."""
+    oc.save({"w": torch.ones(3)}, tmp_path / "c")
+    with caplog.at_level("ERROR", logger="olmo_chunks.background"):
+        fut = oc.async_save({"w": torch.zeros(3)}, tmp_path / "c")  # no overwrite: refused in the background
+        while not fut.done():
+            time.sleep(0.01)
+    assert [r.getMessage().split(": Checkpoint already exists")[0] for r in caplog.records] == [
+        f"olmo-chunks: async_save to {tmp_path / 'c'} failed: CheckpointExistsError: {tmp_path / 'c'}/"]
+    assert isinstance(fut.exception(), oc.CheckpointExistsError)
+
+
 def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path):
     script = textwrap.dedent(
         f"""

@@ -378,16 +378,59 @@ def test_dtypes_the_format_lacks_are_refused_before_anything_is_written(ckpt: Pa
     ({"info": 5}, r"info must be a mapping, got int"),
     ({"roles": ["w"]}, r"roles must be a mapping, got list"),
     ({"roles": {"model": "exp_avgsq"}}, r"roles\['model'\]='exp_avgsq': expected one of main_weight, exp_avg, "),
+    ({"overwrite": "no"}, r"overwrite='no': expected True or False"),
 ])
 @pytest.mark.parametrize("how", ["save", "async_save"])
 def test_bad_save_arguments_are_invalid_argument_errors(ckpt: Path, how: str, kwargs: dict, message: str):
     before = (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes()
     with pytest.raises(InvalidArgumentError, match=message):
+        kwargs = {"overwrite": True, **kwargs}
         if how == "save":
-            olmo_chunks.save(state(1), ckpt, overwrite=True, **kwargs)
+            olmo_chunks.save(state(1), ckpt, **kwargs)
         else:
-            olmo_chunks.async_save(state(1), ckpt, overwrite=True, **kwargs).result()
+            olmo_chunks.async_save(state(1), ckpt, **kwargs).result()
     assert (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes() == before
+
+
+@pytest.mark.parametrize("pool_bytes", [None, "1G", -1, 2.0**30])
+def test_a_bad_async_save_pool_is_an_invalid_argument_error(ckpt: Path, pool_bytes):
+    """(`None`, a string or a negative size failed with TypeError or RuntimeError until 2026-12-07,
+    and -1 was taken where a pool was already kept.)"""
+    olmo_chunks.async_save(state(1), ckpt, overwrite=True, pool_bytes=1 << 20).result()  # a pool is kept now
+    before = (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes()
+    with pytest.raises(InvalidArgumentError, match=rf"pool_bytes={pool_bytes!r}: expected a whole number from 0 to "):
+        olmo_chunks.async_save(state(2), ckpt, overwrite=True, pool_bytes=pool_bytes).result()
+    assert (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes() == before
+
+
+@pytest.mark.parametrize("flag", ["verify", "strict", "partial"])
+def test_a_load_flag_that_is_not_a_bool_is_refused_before_anything_is_read(ckpt: Path, flag: str):
+    """"no" is truthy: read as a flag it meant yes (strict, partial), or failed in the core's
+    conversion as a TypeError (verify), until 2026-12-07."""
+    out = state(1)
+    with pytest.raises(InvalidArgumentError, match=rf"{flag}='no': expected True or False"):
+        olmo_chunks.load(out, ckpt, **{flag: "no"})
+    assert torch.equal(out["model"]["w"], state(1)["model"]["w"])
+
+
+def test_keys_that_cannot_be_filled_or_written_are_refused_before_anything_is_read(ckpt: Path):
+    """A plain value in a read-only mapping could not be loaded (its tensors were filled, then a
+    TypeError); a tensor key holding a lone surrogate cannot be stored (a UnicodeEncodeError
+    from the core, after the save had taken its lease). Both refused at the first step now."""
+    import types
+
+    out = state(1)
+    with pytest.raises(InvalidArgumentError, match=r"'step': a plain value in a mappingproxy, which cannot be "
+                       r"assigned to, so its saved value could not be loaded; pass a dict"):
+        olmo_chunks.load(types.MappingProxyType(out), ckpt)
+    assert torch.equal(out["model"]["w"], state(1)["model"]["w"])
+    before = (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes()
+    with pytest.raises(InvalidArgumentError, match=r"'model.w\\udc80': a tensor's key must be valid Unicode text"):
+        olmo_chunks.save({"model": {"w\udc80": torch.ones(2)}}, ckpt, overwrite=True)
+    with pytest.raises(InvalidArgumentError, match=r"a tensor's key must be valid Unicode text"):
+        olmo_chunks.load({"w\udc80": torch.ones(2)}, ckpt)
+    assert (ckpt / olmo_chunks.MANIFEST_NAME).read_bytes() == before
+    assert sorted(p.name for p in (ckpt / "data").iterdir()) == [_core.Manifest.open(str(ckpt)).save_id]
 
 
 @pytest.mark.parametrize("workers", [-1, 0, 2**64, 1.5, "4"])
@@ -401,6 +444,15 @@ def test_bad_load_and_dcp_door_workers_are_invalid_argument_errors(ckpt: Path, w
         ChunkStoreReader(ckpt, workers=workers)
     with pytest.raises(InvalidArgumentError, match=message):
         ChunkStoreWriter(ckpt, workers=workers)
+
+
+def test_dcp_door_flags_that_are_not_bools_are_refused():
+    from olmo_chunks.dcp import ChunkStoreReader, ChunkStoreWriter
+
+    with pytest.raises(InvalidArgumentError, match=r"verify='no': expected True or False"):
+        ChunkStoreReader("x", verify="no")
+    with pytest.raises(InvalidArgumentError, match=r"overwrite=0: expected True or False"):
+        ChunkStoreWriter("x", overwrite=0)
 
 
 def test_plain_values_inside_tuples_are_compared_not_skipped(tmp_path: Path):

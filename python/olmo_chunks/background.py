@@ -18,6 +18,7 @@ during the call. Otherwise the lease, like every write, is taken in the backgrou
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -31,11 +32,13 @@ import torch.distributed as dist
 from . import _core
 from ._dist import DEFAULT_PEER_TIMEOUT, Group, group_name, let_collectives_settle
 from .checkpoint import SaveSteps
-from .errors import OlmoChunksError, env_setting, parse_bytes, start_thread
+from .errors import OlmoChunksError, check_int, env_setting, parse_bytes, start_thread
 from .session import staging_bytes
 from .shards import ChunkItem
 
 __all__ = ["DEFAULT_POOL_BYTES", "async_save"]
+
+log = logging.getLogger(__name__)
 
 # Host memory kept for staging async saves, per process group.
 DEFAULT_POOL_BYTES = env_setting("OLMO_CHUNKS_POOL_BYTES", 4 << 30, parse_bytes)
@@ -112,6 +115,7 @@ def async_save(
         try:  # a bad path on one rank fails every rank at once, as in `save`
             steps = SaveSteps(group, path, roles=roles, info=info, overwrite=overwrite, block_size=block_size,
                               workers=workers, compression=(compression, compression_level))
+            steps.checks.append(lambda: check_int("pool_bytes", pool_bytes, 0, 2**63 - 1))
         except BaseException as exc:
             group.fail(exc)
             raise
@@ -144,7 +148,7 @@ def async_save(
                 steps.log(t0)
                 future.set_result(None)
             except BaseException as exc:
-                future.set_exception(exc if isinstance(exc, OlmoChunksError) else _wrapped(exc))
+                _failed(future, steps.target, exc)
             finally:
                 _threads.discard(threading.current_thread())
 
@@ -203,6 +207,14 @@ def _stage(steps: SaveSteps, chunks: list[ChunkItem], slot: _Slot, pool_bytes: i
 def _wait(future: Future[None]) -> None:
     """Waits for `future` to end, whatever its outcome (its caller sees that)."""
     future.exception()
+
+
+def _failed(future: Future[None], target: str, exc: BaseException) -> None:
+    """Fails `future` on `exc`, and says so in the log: a future nobody asks for its result would
+    keep the failure silent (the script ended as if the checkpoint had been saved)."""
+    failure = exc if isinstance(exc, OlmoChunksError) else _wrapped(exc)
+    log.error("olmo-chunks: async_save to %s failed: %s: %s", target, type(failure).__name__, failure)
+    future.set_exception(failure)
 
 
 def _wrapped(exc: BaseException) -> OlmoChunksError:

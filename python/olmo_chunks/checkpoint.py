@@ -23,6 +23,7 @@ from .errors import (
     MissingDataFileError,
     OlmoChunksError,
     RankFailedError,
+    check_bool,
     check_int,
     named_error,
 )
@@ -254,6 +255,7 @@ class SaveSteps:
         self.roles, self.info, self.overwrite = roles, info, overwrite
         # Checked in the first step (`plan`), where a bad value fails every rank.
         self.compression = compression
+        self.checks: list[Callable[[], object]] = []  # more such checks (`async_save`'s)
         self.nbytes = 0
         self._plan: dict[str, Any] = {}
 
@@ -303,11 +305,14 @@ class SaveSteps:
         return [local["chunks"][i] for i in mine]
 
     def _check_args(self) -> None:
+        check_bool("overwrite", self.overwrite)
         check_roles(self.roles)
         if self.info is not None and not isinstance(self.info, Mapping):
             raise InvalidArgumentError(f"info must be a mapping, got {type(self.info).__name__}")
         check_int("block_size", self.session.block_size, 1, 2**64 - 1)  # the core caps it
         check_workers(self.session.workers)
+        for check in self.checks:
+            check()
 
     def args(self) -> dict[str, Any]:
         """The arguments every rank must pass alike."""
@@ -501,12 +506,21 @@ def _load(group: Group, state_dict: Mapping[str, Any], path: str | os.PathLike[s
 
     def readings() -> dict[str, tuple[bool, bool]]:
         leaves.update(flatten(state_dict))
+        for key, leaf in leaves.items():  # before any tensor is filled (a tuple's values stay as they are)
+            kind = type(leaf.container)
+            if not (leaf.is_tensor or issubclass(kind, tuple) or hasattr(kind, "__setitem__")):
+                raise InvalidArgumentError(
+                    f"{key!r}: a plain value in a {type(leaf.container).__name__}, which cannot be assigned to, so "
+                    "its saved value could not be loaded; pass a dict")
         return _readings(leaves)
 
-    # `verify` too: read once, a rank that does not verify would hand unchecked bytes to one that does.
-    manifest, made_by = open_manifest(group, path, lambda: {"read": check_read_mode(read),
-                                                            "staging_bytes": STAGING_BYTES, "verify": bool(verify)},
-                                      readings)
+    def args() -> dict[str, Any]:
+        check_bool("strict", strict)
+        check_bool("partial", partial)
+        # `verify` too: read once, a rank that does not verify would hand unchecked bytes to one that does.
+        return {"read": check_read_mode(read), "staging_bytes": STAGING_BYTES, "verify": check_bool("verify", verify)}
+
+    manifest, made_by = open_manifest(group, path, args, readings)
 
     # One step agrees on what to load and decides how to read it (`FillStep`).
     checked: list[_Checked] = []

@@ -138,6 +138,14 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """Argument `name`, if it is a bool; else `InvalidArgumentError` (a string such as "no" is
+    truthy: read as a flag it would mean yes)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name}={value!r}: expected True or False")
+    return value
+
+
 def parse_bytes(text: str | int) -> int:
     """`1073741824`, `512M`, `1G`, `64MiB` -> bytes."""
     if isinstance(text, int):

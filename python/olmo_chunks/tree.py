@@ -78,6 +78,12 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, Leaf]:
         if items is None:  # a tensor, a chunk source, or a value without tensors
             if prefix in out:
                 raise InvalidArgumentError(f"two values flatten to the same key {prefix!r}")
+            if not prefix.isascii() and _is_tensorish(value):  # (a plain value's key is JSON text: any str)
+                try:
+                    prefix.encode()
+                except UnicodeEncodeError:
+                    raise InvalidArgumentError(f"{prefix!r}: a tensor's key must be valid Unicode text (this one "
+                                               "holds a lone surrogate)") from None
             out[prefix] = Leaf(value, container, slot)
             return
         for k, v in items:

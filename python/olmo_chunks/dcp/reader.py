@@ -36,6 +36,7 @@ from ..errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     MismatchError,
+    check_bool,
 )
 from ..fill import Fill, check_read_mode, check_workers, fill
 from ..location import checkpoint_location, is_url
@@ -78,7 +79,7 @@ class ChunkStoreReader(StorageReader):
                 f"not {type(_extension_registry).__name__}"
             )
         self.path = checkpoint_location(path) if path is not None else None
-        self.verify = verify
+        self.verify = check_bool("verify", verify)
         self.workers = check_workers(workers)
         self.process_group = process_group
         self._alone = False  # DCP runs on this process alone (`runs_alone`)

@@ -127,7 +127,7 @@ def encode_object(fqn: str, raw: bytes) -> Any:
             value = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:
         raise InvalidArgumentError(
-            f"{fqn!r}: only plain values (None, bools, ints, floats, strings, bytes, BytesIO, lists, tuples, dicts, numpy "
-            f"arrays) can be stored next to tensors; this one cannot be loaded as data ({exc})"
+            f"{fqn!r}: only plain values (None, bools, ints, floats, strings, bytes, BytesIO, lists, tuples, "
+            f"dicts, numpy arrays) can be stored next to tensors; this one cannot be loaded as data ({exc})"
         ) from None
     return values.encode(value, fqn)

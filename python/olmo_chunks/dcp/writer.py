@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from .. import _core
 from .._dist import DEFAULT_PEER_TIMEOUT, Group
-from ..errors import InvalidArgumentError, check_int
+from ..errors import InvalidArgumentError, check_bool, check_int
 from ..fill import check_workers
 from ..location import checkpoint_location, is_url
 from ..roles import check_roles, resolve_role
@@ -122,7 +122,7 @@ class ChunkStoreWriter(StorageWriter):
         self.info = dict(info) if info else {}
         self.block_size = check_int("block_size", block_size, 1, 2**64 - 1)  # the core caps it
         self.workers = check_workers(workers)
-        self.overwrite = overwrite
+        self.overwrite = check_bool("overwrite", overwrite)
         self.single_file_per_rank = single_file_per_rank
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
