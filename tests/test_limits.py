@@ -169,3 +169,6 @@ def test_a_checkpoint_path_linked_to_a_directory_not_made_yet_makes_it(tmp_path:
     with pytest.raises(InvalidArgumentError, match=r"gone/ckpt: cannot make the checkpoint directory: a symbolic "
                                                    r"link on its path leads nowhere"):
         olmo_chunks.save({"w": torch.ones(3)}, tmp_path / "gone" / "ckpt")
+    # A directory that refuses new entries (procfs: ENOENT) has no link to blame (said it had, until 2026-12-07).
+    with pytest.raises(InvalidArgumentError, match=r"^/proc/olmo-chunks-x: cannot make the checkpoint directory \(No "):
+        olmo_chunks.save({"w": torch.ones(3)}, "/proc/olmo-chunks-x")

@@ -215,6 +215,14 @@ fn link_target(path: &Path) -> PathBuf {
     p
 }
 
+/// Whether `path` or a directory above it is a symbolic link whose target does not exist.
+fn dangling_link_on(path: &Path) -> bool {
+    path.ancestors().any(|p| {
+        fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
+            && fs::metadata(p).is_err()
+    })
+}
+
 /// One save into a checkpoint on some storage, from the lease to the commit (or the abort).
 pub struct SaveTxn {
     storage: Arc<dyn Storage>,
@@ -251,11 +259,16 @@ impl SaveTxn {
                 )))
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Where no link dangles, a directory on the path refuses new entries (/proc).
+                let why = if dangling_link_on(dir) {
+                    ": a symbolic link on its path leads nowhere"
+                } else {
+                    ""
+                };
                 return Err(CoreError::InvalidArgument(format!(
-                    "{}: cannot make the checkpoint directory: a symbolic link on its path leads \
-                     nowhere ({e})",
+                    "{}: cannot make the checkpoint directory{why} ({e})",
                     dir.display()
-                )))
+                )));
             }
             Err(e) => return Err(CoreError::io(dir, e)),
         }
