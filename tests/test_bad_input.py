@@ -601,13 +601,14 @@ def test_an_unknown_role_is_refused_by_every_door(ckpt: Path, tmp_path: Path):
 @pytest.mark.parametrize(("name", "value"), [
     ("OLMO_CHUNKS_STAGING_BYTES", "512Mb?"), ("OLMO_CHUNKS_STAGING_BYTES", "0"), ("OLMO_CHUNKS_POOL_BYTES", "-5"),
     ("OLMO_CHUNKS_POOL_BYTES", "lots"), ("OLMO_CHUNKS_ARRIVAL_TIMEOUT", "nan"), ("OLMO_CHUNKS_STORAGE_GBPS", "inf"),
+    ("OLMO_CHUNKS_THREADS", "abc"), ("OLMO_CHUNKS_THREADS", "0"), ("OLMO_CHUNKS_THREADS", "5000"),
 ])
-def test_environment_settings_are_checked(name: str, value: str, monkeypatch):
+def test_environment_settings_are_checked(name: str, value: str, monkeypatch, tmp_path: Path):
     # They were read with int() or float() (a raw ValueError for 512M, and 0 or -5 taken as they were).
     from olmo_chunks import _dist, rates
 
     monkeypatch.setenv(name, value)
-    message = f"{name}='{value}': expected a "
+    message = f"{name}='{value}': expected a " if value != "5000" else f"{name}=5000: expected a whole number from 1 to"
     if name.endswith("_BYTES"):  # read as fill and background are imported: at the first save or load
         module, constant = ("fill", "STAGING_BYTES") if "STAGING" in name else ("background", "DEFAULT_POOL_BYTES")
         # One interpreter (each imports torch): the import refused, then made again with "512M".
@@ -622,8 +623,11 @@ def test_environment_settings_are_checked(name: str, value: str, monkeypatch):
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
         if name == "OLMO_CHUNKS_ARRIVAL_TIMEOUT":
             _dist._arrival_timeout(None)
+        elif name == "OLMO_CHUNKS_THREADS":  # (the core skipped what it could not read, and took any count)
+            olmo_chunks.save({"w": torch.zeros(1)}, tmp_path / "c")
         else:
             rates.storage_rate("/tmp")
+    assert not (tmp_path / "c").exists()
 
 
 def save_short_local_shard(path: str) -> str:

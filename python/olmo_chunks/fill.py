@@ -204,8 +204,13 @@ class FillStep:
 
 
 def check_workers(workers: int | None) -> int | None:
-    """`workers`, if None or a whole number from 1 to `MAX_WORKERS`; else `InvalidArgumentError`."""
-    return None if workers is None else check_int("workers", workers, 1, MAX_WORKERS)
+    """`workers`, if None or a whole number from 1 to `MAX_WORKERS`; else `InvalidArgumentError`.
+    None leaves the count to the core: `OLMO_CHUNKS_THREADS` where set, checked here (the core
+    skipped a value it could not read, and took any count)."""
+    if workers is None:
+        check_int("OLMO_CHUNKS_THREADS", env_setting("OLMO_CHUNKS_THREADS", 1, int), 1, MAX_WORKERS)
+        return None
+    return check_int("workers", workers, 1, MAX_WORKERS)
 
 
 def check_read_mode(read: str) -> str:
