@@ -122,6 +122,7 @@ def test_a_bench_that_would_fill_the_disk_is_refused_before_it_starts(
 BIG = "1" + "0" * 400
 USAGE = 2  # argparse's usage error: the usage, then the error line
 # id: (argv, exit status, the error line after "olmo-chunks <command>: error: ")
+_LOCAL_ONLY = " must be a local directory, not a URL (only olmo-chunks checkpoints live in object stores)"
 BAD = {
     "verify-workers": ("verify {ckpt} --workers -1", USAGE,
                        "argument --workers: '-1' is not a whole number from 1 to 1024"),
@@ -163,6 +164,14 @@ BAD = {
     "bench-json-nowhere": ("bench --json {tmp}/missing/b.json", USAGE,
                            "argument --json: cannot write '{tmp}/missing/b.json': no directory {tmp}/missing"),
     "bench-dir-missing": ("bench --dir {tmp}/missing --size-gb 0.001", 1, "{tmp}/missing: no such directory"),
+    # Local only: each wrote or read the local directory `s3:/b/...` (export said OK), until 2026-12-07.
+    "export-to-a-url": ("export {ckpt} s3://b/out --format safetensors", 1,
+                        "s3://b/out: an export's output" + _LOCAL_ONLY),
+    "import-hf-from-a-url": ("import-hf s3://b/hf {tmp}/ck", 1, "s3://b/hf: a Hugging Face model" + _LOCAL_ONLY),
+    "import-dcp-from-a-url": ("import-dcp gs://b/dcp {tmp}/ck", 1,
+                              "gs://b/dcp: a DCP FileSystemWriter checkpoint" + _LOCAL_ONLY),
+    "validate-hf-a-url": ("validate-conversion --native {ckpt} --hf s3://b/hf --report {tmp}/r.json", 1,
+                          "s3://b/hf: a Hugging Face model" + _LOCAL_ONLY),
 }
 
 
@@ -187,7 +196,7 @@ def test_bad_arguments_paths_and_config_files_are_one_line_errors(
     assert rc == USAGE or len(lines) == 1, err
     assert not re.search(r"\b\w+(Error|Exception)\b|Traceback", err), err
     assert (tmp_path / "done" / "model.safetensors.index.json").read_text() == "{}"  # nothing replaced
-    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists() and not Path("s3:").exists()
 
 
 def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AW
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .errors import InvalidArgumentError
 
-__all__ = ["URL_SCHEMES", "checkpoint_location", "is_url"]
+__all__ = ["URL_SCHEMES", "checkpoint_location", "is_url", "local_dir"]
 
 URL_SCHEMES = ("s3", "s3a", "gs")
 
@@ -19,6 +20,16 @@ URL_SCHEMES = ("s3", "s3a", "gs")
 def is_url(location: str | os.PathLike[str]) -> bool:
     """True if `location` is a URL (`scheme://...`) rather than a local path."""
     return isinstance(location, str) and "://" in location
+
+
+def local_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """`path` as a local directory path; `InvalidArgumentError` for a URL, where `what` (a
+    Hugging Face or DCP directory, an export's output) is read or written through the local
+    filesystem only (`Path("s3://b/x")` is the local path `s3:/b/x`)."""
+    if is_url(os.fspath(path)):
+        raise InvalidArgumentError(f"{os.fspath(path)}: {what} must be a local directory, not a URL (only "
+                                   "olmo-chunks checkpoints live in object stores)")
+    return Path(path)
 
 
 def checkpoint_location(path: str | os.PathLike[str]) -> str:

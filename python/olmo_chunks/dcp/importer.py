@@ -34,7 +34,7 @@ from ..errors import (
     UnsafePathError,
     UnsupportedFormatError,
 )
-from ..location import checkpoint_location
+from ..location import checkpoint_location, local_dir
 from ..roles import check_roles, resolve_role
 from ..session import SaveSession, zstd_level
 from ..shards import dtype_name
@@ -163,7 +163,7 @@ def import_dcp(  # noqa: PLR0915
     verifies coverage and every checksum. Returns a summary. Every read stays inside `src` (see
     `_open_beneath`); a checkpoint already at `dst` is replaced only with `overwrite=True`.
     `compression` and `compression_level` are `olmo_chunks.save`'s."""
-    src, dst = Path(src), checkpoint_location(dst)
+    src, dst = local_dir(src, "a DCP FileSystemWriter checkpoint"), checkpoint_location(dst)
     roles = check_roles(roles)
     zstd = zstd_level(compression, compression_level)
     md = read_dcp_metadata(src)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _core, values
 from ..errors import CheckpointExistsError, ConversionError, InvalidArgumentError, StorageError
-from ..location import checkpoint_location
+from ..location import checkpoint_location, local_dir
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from ..shards import dtype_name
 from .common import (
@@ -89,7 +89,7 @@ def export_checkpoint(  # noqa: PLR0915
     end, so a failed or killed export leaves the old model as it was (or nothing), never a shard
     with a tensor left unwritten. Returns the index written.
     """
-    out_dir = Path(out)
+    out_dir = local_dir(out, "an export's output")
     if out_dir.exists() and not out_dir.is_dir():
         raise InvalidArgumentError(f"{out}: exists and is not a directory")
     existing = [n for n in (INDEX_NAME, "model.safetensors") if (out_dir / n).exists()]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
+from ..location import local_dir
 from . import shapes
 from .common import json_object, open_regular, read_json
 
@@ -169,7 +170,7 @@ class SafetensorsDir:
     name them all; `strict=True` raises the first instead."""
 
     def __init__(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
-        self.path = Path(path)
+        self.path = local_dir(path, "a Hugging Face model")
         self.tensors: dict[str, HFTensor] = {}
         self.duplicates: dict[str, list[str]] = {}
         self.problems: list[str] = []

@@ -19,7 +19,7 @@ import torch
 
 from .. import _core, values
 from ..errors import ConversionError, OlmoChunksError
-from ..location import checkpoint_location
+from ..location import checkpoint_location, local_dir
 from ..shards import dtype_name
 from .common import (
     DEFAULT_MEMORY_BUDGET,
@@ -257,7 +257,7 @@ def validate_conversion(
     """The two exhaustive conversion passes of native checkpoint `native` against HF export
     `hf`. Returns the report; `report["ok"]` is the verdict and `report["failures"]` names every
     failing tensor. Optimizer moments are never loaded."""
-    hf_dir = Path(hf)
+    hf_dir = local_dir(hf, "a Hugging Face model")
     cfg_path = Path(config) if config is not None else hf_dir / "config.json"
     cfg = read_config(cfg_path) if config is not None else None
     files = SafetensorsDir(hf_dir, strict=False)
