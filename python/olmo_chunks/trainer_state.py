@@ -51,6 +51,9 @@ __all__ = [
 PREFIX = TRAINER_PREFIX
 RNG_PREFIX = TRAINER_RNG_PREFIX
 _FIELDS = ("step", "tokens", "epoch", "seed", "data_position", "config", "data_manifest", "extra")
+# Fields that are dicts: DCP's flattening drops an empty one, so a checkpoint saved through the DCP
+# door lacks it (read as {}).
+_DICTS = ("data_position", "config", "extra")
 RESTORED = "restored"
 RESEEDED = "reseeded"
 
@@ -169,10 +172,11 @@ def load_trainer_state(
             manifest = _core.Manifest.open(checkpoint_location(path))
             entries = values.entries(manifest)
             missing = [f"{PREFIX}.{n}: missing from the checkpoint" for n in (*_FIELDS, "layout")
-                       if f"{PREFIX}.{n}" not in entries]
+                       if f"{PREFIX}.{n}" not in entries and n not in _DICTS]
             if missing:
                 raise MismatchError(missing, header=f"{path}: no complete trainer state")
-            state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS})
+            state = TrainerState(**{n: values.decode(entries[f"{PREFIX}.{n}"], f"{PREFIX}.{n}") for n in _FIELDS
+                                    if f"{PREFIX}.{n}" in entries})
             saved_layout = values.decode(entries[f"{PREFIX}.layout"], f"{PREFIX}.layout")
             prefix = f"{RNG_PREFIX}{_rank_key(group.rank)}."
             shapes = {t.key[len(prefix):]: t.shape for t in manifest.tensors if t.key.startswith(prefix)}
