@@ -222,3 +222,45 @@ def _load_migrated(path: Path, keys: list[str]) -> dict[str, Any]:
     }
     dcp.load(sd, storage_reader=ChunkStoreReader(path), planner=FastLoadPlanner(), no_dist=True)
     return sd
+
+
+class _Module:
+    """The flat-state-dict part of a TrainModule that the checkpointer uses."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.m = torch.nn.Linear(4, 3)
+
+    def state_dict_to_save(self) -> dict[str, Any]:
+        return {"model": self.m.state_dict()}
+
+    def state_dict_to_load(self, metadata: Any, optim: bool | None = None) -> dict[str, Any]:
+        return {"model": self.m.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.m.load_state_dict(sd["model"])
+
+
+@dataclass
+class _Opaque:
+    x: int
+
+
+def test_trainer_state_with_olmo_cores_enums_resumes(tmp_path: Path) -> None:
+    """OLMo-core's ComposableDataLoader keeps its ShuffleStrategy (an enum) in the trainer state:
+    it comes back, where it was refused (so such a run could not resume) until 2026-12-07. Other
+    objects stay refused, with our error (the stock checkpointer unpickles anything)."""
+    from olmo_chunks.errors import UnsupportedFormatError
+    from olmo_chunks.integrations.olmo_core import OlmoChunksCheckpointerConfig
+    from olmo_core.data.composable.data_loader import ShuffleStrategy
+
+    checkpointer = OlmoChunksCheckpointerConfig().build(work_dir=tmp_path / "work")
+    state = {"global_step": 3,
+             "data_loader": {"batches_processed": 3, "shuffle_strategy": ShuffleStrategy.inter_source}}
+    checkpointer.save(tmp_path / "step3", _Module(0), state)
+    into = _Module(1)
+    assert checkpointer.load(tmp_path / "step3", into) == state
+    assert torch.equal(into.m.weight, _Module(0).m.weight)
+    checkpointer.save(tmp_path / "step4", _Module(0), {"global_step": 4, "callback": _Opaque(1)})
+    with pytest.raises(UnsupportedFormatError, match=r"rank0\.pt: the trainer state holds objects other than data"):
+        checkpointer.load(tmp_path / "step4", _Module(1))

@@ -14,6 +14,10 @@ reader. Train modules that checkpoint themselves (`save_state_dict_direct`, such
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import importlib
+import pickle
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +39,35 @@ from .._core import MANIFEST_NAME
 from .._dist import DEFAULT_PEER_TIMEOUT
 from ..dcp import ChunkStoreReader, ChunkStoreWriter, FastLoadPlanner
 from ..dcp.values import SAFE_GLOBALS
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedFormatError
 
 __all__ = ["OlmoChunksCheckpointer", "OlmoChunksCheckpointerConfig"]
 
 _MODEL_AND_OPTIM = "model_and_optim"
+
+
+def _read_trainer_state(path: str) -> Any:
+    """OLMo-core's `train/rankR.pt` read as data: numbers, containers, tensors, numpy RNG arrays,
+    and OLMo-core's own enums (a data loader's `ShuffleStrategy`), which unpickle by value; never
+    other code (the stock checkpointer unpickles anything). An enum in it was refused until
+    2026-12-07, so a run of OLMo-core's ComposableDataLoader could not resume."""
+    local = cached_path(path, quiet=True)
+    allowed: list[Any] = list(SAFE_GLOBALS)
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(local):
+        module, _, attr = name.rpartition(".")
+        if module.split(".")[0] == "olmo_core":  # OLMo-core's own modules: the trainer's code
+            with contextlib.suppress(ImportError):
+                cls = getattr(importlib.import_module(module), attr, None)
+                if isinstance(cls, type) and issubclass(cls, enum.Enum):
+                    allowed.append(cls)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(local, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsupportedFormatError(
+            f"{path}: the trainer state holds objects other than data (numbers, containers, tensors, numpy "
+            f"arrays, OLMo-core's enums), which olmo-chunks does not unpickle: {str(exc).splitlines()[0]}"
+        ) from None
 
 
 @dataclass
@@ -150,9 +178,7 @@ class OlmoChunksCheckpointer(Checkpointer):
             # this rank's state, else rank 0's (the world size changed), as OLMo-core does
             for path in (f"{dir}/train/rank{get_rank()}.pt", f"{dir}/train/rank0.pt"):
                 if file_exists(path):
-                    # data only (numbers, containers, tensors, numpy RNG arrays): never code
-                    with torch.serialization.safe_globals(SAFE_GLOBALS):
-                        trainer_state = torch.load(cached_path(path, quiet=True), weights_only=True)
+                    trainer_state = _read_trainer_state(path)
                     break
             if load_trainer_state is True and trainer_state is None:
                 raise FileNotFoundError(f"Missing trainer state in checkpoint dir '{dir}'")
