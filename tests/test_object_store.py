@@ -252,6 +252,26 @@ def test_a_corrupted_object_fails_its_checksum(s3, bucket):
         _core.Manifest.open(url).verify_data()
 
 
+def test_a_bucket_client_follows_the_settings_of_the_moment(s3, bucket, monkeypatch):
+    """A bucket's client was made once per process, from the environment of its first use: a save
+    to a wrong endpoint kept failing after the endpoint was fixed, and a bad retry budget set later
+    was taken silently (until 2026-12-07)."""
+    url, good = f"s3://{bucket}/c", os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nobody listens there
+    with pytest.raises(StorageError):
+        olmo_chunks.save({"w": torch.ones(3)}, url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", good)
+    olmo_chunks.save({"w": torch.ones(3)}, url)
+    monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "nan")
+    got = {"w": torch.zeros(3)}
+    with pytest.raises(InvalidArgumentError, match=r"OLMO_CHUNKS_RETRY_TIMEOUT=.nan.: expected a number of seconds"):
+        olmo_chunks.load(got, url)
+    monkeypatch.setenv("OLMO_CHUNKS_RETRY_TIMEOUT", "30")
+    olmo_chunks.load(got, url)
+    assert torch.equal(got["w"], torch.ones(3))
+
+
 def test_a_missing_bucket_is_a_clear_error(s3, bucket):
     url = f"s3://{bucket}-missing/x"
     with pytest.raises(InvalidArgumentError, match=r'bucket ".*-missing" does not exist'):

@@ -85,13 +85,30 @@ pub(crate) fn with_full_budget<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
-/// The tokio runtime that drives the clients, and the clients by bucket URL. Both belong to one
+/// The tokio runtime that drives the clients, and the clients by bucket URL, each with the
+/// fingerprint of the settings it was made from (`settings_fingerprint`). Both belong to one
 /// process: a child forked from it (whose runtime threads did not survive the fork) starts afresh,
 /// leaking the parent's rather than dropping what it cannot shut down.
 struct Clients {
     pid: u32,
     runtime: Arc<Runtime>,
-    buckets: HashMap<String, Arc<Bucket>>,
+    buckets: HashMap<String, (u64, Arc<Bucket>)>,
+}
+
+/// A hash of the environment a bucket's client is made from (`AWS_*` or `GOOGLE_*`, and
+/// `OLMO_CHUNKS_RETRY_TIMEOUT`): a process that changes them (a fixed endpoint or key in a
+/// notebook) gets a client of the new settings, where the first ones were kept for good.
+fn settings_fingerprint(scheme: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let prefix = if scheme == "gs" { "GOOGLE_" } else { "AWS_" };
+    let mut vars: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+        .filter(|(k, _)| k.starts_with(prefix) || k == "OLMO_CHUNKS_RETRY_TIMEOUT")
+        .collect();
+    vars.sort();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    vars.hash(&mut h);
+    h.finish()
 }
 
 static CLIENTS: Mutex<Option<Clients>> = Mutex::new(None);
@@ -295,9 +312,12 @@ pub(super) fn split_url(url: &str) -> Result<(String, String, String)> {
 
 pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
     let key = format!("{scheme}://{bucket}");
+    let settings = settings_fingerprint(scheme);
     with_clients(|c| {
-        if let Some(b) = c.buckets.get(&key) {
-            return Ok(b.clone());
+        if let Some((made_from, b)) = c.buckets.get(&key) {
+            if *made_from == settings {
+                return Ok(b.clone());
+            }
         }
         let bad = |e: object_store::Error| CoreError::InvalidArgument(format!("{key}: {e}"));
         let budget = retry_budget()?;
@@ -332,7 +352,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
             }
         };
         let b = Arc::new(b);
-        c.buckets.insert(key, b.clone());
+        c.buckets.insert(key, (settings, b.clone()));
         Ok(b)
     })
 }
@@ -341,7 +361,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
 /// the settings then.
 pub(super) fn forget(bucket: &Arc<Bucket>) {
     let _ = with_clients(|c| {
-        c.buckets.retain(|_, b| !Arc::ptr_eq(b, bucket));
+        c.buckets.retain(|_, (_, b)| !Arc::ptr_eq(b, bucket));
         Ok(())
     });
 }
