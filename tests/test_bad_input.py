@@ -24,6 +24,7 @@ from olmo_chunks.errors import (
     MissingDataFileError,
     OlmoChunksError,
     RankFailedError,
+    StorageError,
     TruncatedDataError,
     UnsupportedFormatError,
 )
@@ -529,6 +530,28 @@ def test_bad_object_store_settings_are_invalid_arguments(monkeypatch, var: str, 
     bucket = f"never-{uuid.uuid4().hex[:12]}"  # a bucket this process has no client for yet
     with pytest.raises(InvalidArgumentError, match=re.escape(f'{var}="{value}"')):
         olmo_chunks.load({"w": torch.zeros(1)}, f"s3://{bucket}/x")
+
+
+def test_an_endpoints_password_stays_out_of_error_messages(monkeypatch):
+    """An endpoint with credentials (`http://user:password@host`, a proxy's) was quoted whole in
+    the errors of its requests and of its settings (until 2026-12-07)."""
+    import socket
+    import uuid
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens there once it is closed
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
+                 "OLMO_CHUNKS_RETRY_TIMEOUT": "1", "AWS_ENDPOINT_URL": f"http://user:Pa55word@127.0.0.1:{port}"}.items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://b-{uuid.uuid4().hex[:12]}/x"
+    with pytest.raises(InvalidArgumentError) as plain:  # AWS_ALLOW_HTTP not set
+        olmo_chunks.load({"w": torch.zeros(1)}, url)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    with pytest.raises(StorageError) as unanswered:
+        olmo_chunks.load({"w": torch.zeros(1)}, url)
+    for err in (plain, unanswered):
+        assert "Pa55word" not in str(err.value) and "user:***@127.0.0.1" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("allow", [None, "false", "maybe"])

@@ -458,6 +458,12 @@ def test_leases_of_dead_writers_are_taken_over_and_live_ones_refused(tmp_path):
     _fake_lease(p, pid=1, host="other-host", age=1)
     with pytest.raises(CheckpointLockedError, match="another save holds its lease"):
         olmo_chunks.save({"w": torch.zeros(3)}, p, overwrite=True)
+    # Quoted with its control characters escaped: a planted lease cannot forge log lines.
+    (p / LEASE).write_text((p / LEASE).read_text().replace("other-host", "other-host\x1b[2J\r\nolmo-chunks: saved"))
+    with pytest.raises(CheckpointLockedError, match="another save holds its lease") as info:
+        olmo_chunks.save({"w": torch.zeros(3)}, p, overwrite=True)
+    assert r"other-host\u{1b}[2J\u{d}\u{a}olmo-chunks: saved" in str(info.value), str(info.value)
+    _fake_lease(p, pid=1, host="other-host", age=1)
     # A writer whose own lease timeout is longer (it renews less often): judged by its own.
     _fake_lease(p, pid=1, host="other-host", age=120, lease_timeout_s=300)
     with pytest.raises(CheckpointLockedError, match=r"heartbeat 12\ds ago.*for 300s belongs to a dead writer"):
