@@ -423,6 +423,16 @@ def test_saves_without_tensor_bytes(tmp_path, sd):
     assert all(back[k] == v for k, v in sd.items() if not isinstance(v, torch.Tensor))
 
 
+def test_one_prefix_written_two_ways_is_one_location():
+    """Ranks passing `s3://b/x` and `s3://b//x/` (the same keys) were refused as passing different
+    paths, until 2026-12-07."""
+    from olmo_chunks.location import checkpoint_location
+
+    assert {checkpoint_location(u) for u in ("s3://b/x/y", "s3://b//x/y/", "s3://b/x//y")} == {"s3://b/x/y"}
+    assert checkpoint_location("gs://b/") == checkpoint_location("gs://b//") == "gs://b"
+    assert checkpoint_location("a//b/") == "a//b/"  # local paths as given
+
+
 def test_urls_of_unsupported_stores_are_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(InvalidArgumentError, match="unsupported URL scheme 'ftp'"):

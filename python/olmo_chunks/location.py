@@ -26,15 +26,20 @@ def local_dir(path: str | os.PathLike[str], what: str) -> Path:
     """`path` as a local directory path; `InvalidArgumentError` for a URL, where `what` (a
     Hugging Face or DCP directory, an export's output) is read or written through the local
     filesystem only (`Path("s3://b/x")` is the local path `s3:/b/x`)."""
-    if is_url(os.fspath(path)):
-        raise InvalidArgumentError(f"{os.fspath(path)}: {what} must be a local directory, not a URL (only "
-                                   "olmo-chunks checkpoints live in object stores)")
-    return Path(path)
+    try:
+        s = os.fspath(path)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a str or os.PathLike path, not {path!r}") from None
+    if is_url(s):
+        raise InvalidArgumentError(f"{s}: {what} must be a local directory, not a URL (only olmo-chunks "
+                                   "checkpoints live in object stores)")
+    return Path(s)
 
 
 def checkpoint_location(path: str | os.PathLike[str]) -> str:
     """`path` as the location string the core takes: an object-store URL of a supported scheme
-    (without a trailing `/`), or a local path."""
+    with its empty segments dropped (`s3://b//x/` is `s3://b/x`, the keys the core uses for
+    both, so ranks passing either agree), or a local path."""
     try:
         s = os.fspath(path)
     except TypeError:
@@ -49,6 +54,8 @@ def checkpoint_location(path: str | os.PathLike[str]) -> str:
             f"{s}: unsupported URL scheme {scheme!r} (supported: "
             + ", ".join(f"{x}://bucket/prefix" for x in URL_SCHEMES) + ", or a local path)"
         )
-    if not rest.split("/", 1)[0]:
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
         raise InvalidArgumentError(f"{s}: no bucket name")
-    return s.rstrip("/")
+    keys = "/".join(part for part in prefix.split("/") if part)
+    return f"{scheme}://{bucket}/{keys}" if keys else f"{scheme}://{bucket}"
