@@ -25,6 +25,7 @@ from olmo_chunks.errors import (
     CheckpointLockedError,
     InvalidArgumentError,
     RankFailedError,
+    StorageError,
 )
 
 from tests import world
@@ -459,6 +460,39 @@ def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+@pytest.mark.parametrize("fails", ["write", "upload"])
+def test_a_save_whose_lease_was_taken_over_fails_saying_so(tmp_path, monkeypatch, fails):
+    """Its writer stalled past the lease, another save took the path over and removed this one's
+    data (aborted its uploads): the write that then fails is `CheckpointLockedError`, as the
+    docs promise, not the StorageError or MissingDataFileError of the lost upload (until
+    2026-12-07). Nothing is committed; the checkpoint there stays."""
+    from olmo_chunks.errors import MissingDataFileError
+    from olmo_chunks.session import SaveSession
+
+    p = tmp_path / "ckpt"
+    olmo_chunks.save({"w": torch.ones(3)}, p)
+
+    def taken_over(self: Any, chunks: Any) -> None:
+        _fake_lease(p, pid=1, host="other-host", age=0)  # the other save's lease now
+        raise (StorageError if fails == "write" else MissingDataFileError)(f"{p}/data: the upload is gone")
+
+    monkeypatch.setattr(SaveSession, "write_file", taken_over)
+    with pytest.raises(CheckpointLockedError, match="this save's lease was taken over by another writer"):
+        olmo_chunks.save({"w": torch.zeros(3)}, p, overwrite=True)
+    monkeypatch.undo()
+    got = {"w": torch.zeros(3)}
+    olmo_chunks.load(got, p)
+    assert torch.equal(got["w"], torch.ones(3))
+    # A write that fails for another reason, the lease still held, is that error.
+    def disk_full(self: Any, chunks: Any) -> None:
+        raise StorageError(f"{p}/data: no space left on device")
+
+    (p / LEASE).unlink()  # the other save is done
+    monkeypatch.setattr(SaveSession, "write_file", disk_full)
+    with pytest.raises(StorageError, match="no space left"):
+        olmo_chunks.save({"w": torch.zeros(3)}, p, overwrite=True)
 
 
 def test_leases_of_dead_writers_are_taken_over_and_live_ones_refused(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -18,11 +19,13 @@ from torch.distributed.tensor import DTensor
 from . import _core, values
 from ._dist import DEFAULT_PEER_TIMEOUT, INLINE_BYTES, Group
 from .errors import (
+    CorruptCheckpointError,
     InvalidArgumentError,
     MismatchError,
     MissingDataFileError,
     OlmoChunksError,
     RankFailedError,
+    StorageError,
     check_bool,
     check_int,
     named_error,
@@ -345,8 +348,18 @@ class SaveSteps:
                 # others are told the save committed, which it did; this rank raises it after.
                 after.append(exc)
 
+        def mine() -> list[_core.WrittenChunk]:
+            try:
+                return write()
+            except (StorageError, CorruptCheckpointError):
+                # A save that took this one's lease over removes its data (aborts its uploads):
+                # this write failed for that reason, which the lease tells.
+                with contextlib.suppress(StorageError):
+                    self.session.check_lease()
+                raise
+
         try:
-            self.group.exchange(write, commit, hear_out=True)
+            self.group.exchange(mine, commit, hear_out=True)
             if after:
                 raise after[0]
         except RankFailedError as exc:

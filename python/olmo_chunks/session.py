@@ -215,6 +215,12 @@ class SaveSession:
         self.written.extend(out)
         return out
 
+    def check_lease(self) -> None:
+        """`CheckpointLockedError` if another save took this one's lease over (the coordinator's;
+        a no-op elsewhere)."""
+        if self.txn is not None:
+            self.txn.check_lease()
+
     def commit(self, schema: Mapping[str, tuple[Any, ...]], chunks: Iterable[_core.WrittenChunk],
                entries: Mapping[str, Any], info: Mapping[str, Any],
                ready: Callable[[], None] | None = None) -> _core.Manifest:

@@ -477,7 +477,9 @@ impl SaveTxn {
         Ok(read_lease(&*self.storage)?.is_some_and(|(t, _)| t == self.token.as_bytes()))
     }
 
-    fn check_lease(&self) -> Result<()> {
+    /// `CoreError::Locked` where another save took this one's lease over (its heartbeat stalled past
+    /// the lease timeout): whatever this save does after that fails, for that reason.
+    pub fn check_lease(&self) -> Result<()> {
         if self.holds_lease()? && !self.heartbeat.lost.load(Ordering::Relaxed) {
             return Ok(());
         }

@@ -1266,6 +1266,12 @@ impl PySaveTransaction {
         self.inner.lock().unwrap().is_committed()
     }
 
+    /// Raises `CheckpointLockedError` if another save took this one's lease over.
+    fn check_lease(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        detach(py, || inner.lock().unwrap().check_lease())
+    }
+
     /// Assembles the manifest from `tensors` (every tensor of the save) and `chunks` (what every
     /// rank wrote), checks it as every reader does (and exact coverage), commits it atomically and
     /// removes the data of the saves it supersedes. `ready()`, if given, is called last before
