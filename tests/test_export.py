@@ -16,7 +16,7 @@ import pytest
 import torch
 from olmo_chunks import _core
 from olmo_chunks.cli import main
-from olmo_chunks.errors import ConversionError, InvalidArgumentError
+from olmo_chunks.errors import CheckpointLockedError, ConversionError, InvalidArgumentError
 from olmo_chunks.experts import ExpertFlatView, ExpertLayout
 from olmo_chunks.hf.common import parse_bytes
 from olmo_chunks.hf.export import export_checkpoint
@@ -471,11 +471,16 @@ def test_export_refuses_unmapped_and_nonfinite(tmp_path):
     assert not (tmp_path / "out2" / INDEX_NAME).exists()
 
 
+def _model_files(out: Path) -> dict[str, bytes]:
+    """What an export directory shows a reader (the hidden lock and stages aside)."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
+
+
 def test_a_refused_or_killed_export_leaves_the_model_already_there(tmp_path, monkeypatch):
     """--overwrite replaces a model only with a complete one: a refused export (a nonfinite weight
     found after other tensors were written) leaves the old one as it was, and a fresh OUT empty.
     Until 2026-12-07 the old model was deleted first and the refused export left a shard holding
-    zeros for the refused tensor."""
+    zeros for the refused tensor. A second export into OUT while one writes there is refused."""
     good = {"a": torch.arange(4.0), "z": torch.ones(3, 2)}
     olmo_chunks.save({"model": good}, tmp_path / "good")
     bad = {"a": torch.arange(4.0) + 1, "z": torch.ones(3, 2)}
@@ -483,17 +488,22 @@ def test_a_refused_or_killed_export_leaves_the_model_already_there(tmp_path, mon
     olmo_chunks.save({"model": bad}, tmp_path / "bad")
     out = tmp_path / "out"
     export_checkpoint(tmp_path / "good", out, format="safetensors", max_shard_bytes=16)  # a file per tensor
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = _model_files(out)
     assert len(before) == 3
     with pytest.raises(ConversionError, match=r"model\.z: nonfinite"):
         export_checkpoint(tmp_path / "bad", out, format="safetensors", overwrite=True)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _model_files(out) == before and not list(out.glob(".olmo-chunks-export-*"))
     with pytest.raises(ConversionError, match=r"model\.z: nonfinite"):
         export_checkpoint(tmp_path / "bad", tmp_path / "fresh", format="safetensors")
-    assert list((tmp_path / "fresh").iterdir()) == []
-    # A killed export's hidden directory goes with the next export; the new model replaces the old.
+    assert _model_files(tmp_path / "fresh") == {}
     from olmo_chunks.hf import export as export_module
 
+    # Another export writing there: refused, nothing touched (its stage is not removed).
+    with export_module._staged(out) as theirs:
+        with pytest.raises(CheckpointLockedError, match="another export is writing there"):
+            export_checkpoint(tmp_path / "good", out, format="safetensors", overwrite=True)
+        assert theirs.is_dir() and _model_files(out) == before
+    # A killed export's hidden directory goes with the next export; the new model replaces the old.
     def killed(*args: object, **kwargs: object) -> None:
         raise RuntimeError("killed")
 
@@ -502,12 +512,13 @@ def test_a_refused_or_killed_export_leaves_the_model_already_there(tmp_path, mon
     with pytest.raises(RuntimeError, match="killed"):
         export_checkpoint(tmp_path / "good", out, format="safetensors", overwrite=True)
     monkeypatch.undo()
-    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")} == before
-    assert len([p for p in out.iterdir() if p.name.startswith(".olmo-chunks-export-")]) == 1
+    assert _model_files(out) == before
+    assert len(list(out.glob(".olmo-chunks-export-*"))) == 1
     bad["z"][2, 1] = 5.0
     olmo_chunks.save({"model": bad}, tmp_path / "bad", overwrite=True)
     export_checkpoint(tmp_path / "bad", out, format="safetensors", overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors", INDEX_NAME]
+    assert sorted(_model_files(out)) == ["model-00001-of-00001.safetensors", INDEX_NAME]
+    assert not list(out.glob(".olmo-chunks-export-*"))
     got = read_hf(out)
     assert torch.equal(got["model.a"], bad["a"]) and torch.equal(got["model.z"], bad["z"])
 

@@ -4,18 +4,20 @@ from the chunk store one box at a time, never the whole model."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import _core, values
-from ..errors import CheckpointExistsError, ConversionError, InvalidArgumentError, StorageError
+from ..errors import CheckpointExistsError, CheckpointLockedError, ConversionError, InvalidArgumentError, StorageError
 from ..location import checkpoint_location, local_dir
 from ..roles import EXP_AVG, EXP_AVG_SQ, MAIN_WEIGHT
 from ..shards import dtype_name
@@ -155,8 +157,7 @@ def export_checkpoint(  # noqa: PLR0915
             "padded_vocab_size": plan.padded_vocab_size,
         }
     }
-    stage = _stage(out_dir)
-    try:
+    with _staged(out_dir) as stage:
         writer = ShardedWriter(stage, planned, max_shard_bytes=max_shard_bytes, index_metadata=meta)
         load = native_loader(manifest, workers)
         try:
@@ -180,25 +181,42 @@ def export_checkpoint(  # noqa: PLR0915
         if cfg is not None:
             (stage / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         _publish(stage, out_dir, writer.files, with_config=cfg is not None)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return index
 
 
 _STAGE_PREFIX = ".olmo-chunks-export-"
+_LOCK_NAME = ".olmo-chunks-export.lock"
 
 
-def _stage(out_dir: Path) -> Path:
-    """A new directory in `out_dir` where an export writes until it is complete; those that killed
-    exports left are removed first (only this module makes directories of that name)."""
+@contextlib.contextmanager
+def _staged(out_dir: Path) -> Iterator[Path]:
+    """A new directory in `out_dir` where an export writes until it is complete (removed after),
+    with `out_dir`'s export lock held throughout: a second export there meanwhile is
+    `CheckpointLockedError`. The directories that killed exports left are removed first (only
+    this module makes directories of that name, and the lock says none is in use)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for left in out_dir.glob(f"{_STAGE_PREFIX}*"):
-            if left.is_dir() and not left.is_symlink():
-                shutil.rmtree(left, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=out_dir))
+        lock = os.open(out_dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise StorageError(f"{out_dir}: cannot write the export there ({type(exc).__name__}: {exc})") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointLockedError(f"{out_dir}: another export is writing there") from None
+        try:
+            for left in out_dir.glob(f"{_STAGE_PREFIX}*"):
+                if left.is_dir() and not left.is_symlink():
+                    shutil.rmtree(left, ignore_errors=True)
+            stage = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=out_dir))
+        except OSError as exc:
+            raise StorageError(f"{out_dir}: cannot write the export there ({type(exc).__name__}: {exc})") from None
+        try:
+            yield stage
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    finally:
+        os.close(lock)  # (the lock goes with it, and with a killed process)
 
 
 def _publish(stage: Path, out_dir: Path, files: list[str], *, with_config: bool) -> None:
