@@ -115,3 +115,67 @@ impl CoreError {
         }
     }
 }
+
+/// An error's text as the user sees it: the password of every URL in it hidden (an endpoint given
+/// as `http://user:secret@host` is in the URL of every request) and control characters escaped
+/// (`\u{1b}`: what a file of the checkpoint says, a lease's holder, cannot rewrite the terminal
+/// or forge log lines).
+pub fn shown(text: &str) -> String {
+    hide_passwords(text)
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_unicode().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// `text` with the password of every URL in it (`scheme://user:password@host`) replaced by
+/// `***`, and a userinfo without one (a token as the user name) too.
+fn hide_passwords(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c == '/' || c == '"' || c.is_whitespace())
+            .unwrap_or(tail.len());
+        match tail[..end].rfind('@') {
+            Some(userinfo_end) => {
+                let userinfo = &tail[..userinfo_end];
+                match userinfo.split_once(':') {
+                    Some((user, _)) => out.push_str(&format!("{user}:***")),
+                    None => out.push_str("***"),
+                }
+                rest = &tail[userinfo_end..];
+            }
+            None => rest = tail,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shown_text_hides_passwords_and_escapes_control_characters() {
+        let text = "GET http://user:s3cr@t@host:9/b/k failed; \"https://tok@h/x\" and s3://b/k, ftp://a:b@c";
+        assert_eq!(
+            hide_passwords(text),
+            "GET http://user:***@host:9/b/k failed; \"https://***@h/x\" and s3://b/k, ftp://a:***@c"
+        );
+        assert_eq!(hide_passwords("no url"), "no url");
+        assert_eq!(hide_passwords("x://"), "x://");
+        assert_eq!(
+            shown("held by h\x1b[2J\r\nfake, http://u:p@h/"),
+            "held by h\\u{1b}[2J\\u{d}\\u{a}fake, http://u:***@h/"
+        );
+    }
+}

@@ -556,20 +556,6 @@ fn read_lease(s: &dyn Storage) -> Result<Option<(Vec<u8>, Head)>> {
     })
 }
 
-/// `text` with its control characters escaped (`\u{1b}`): what a file of the checkpoint says,
-/// quoted in an error, cannot rewrite the terminal or forge log lines.
-fn printable(text: &str) -> String {
-    text.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_unicode().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect()
-}
-
 /// Creates the lease (only if absent), taking it over from a dead writer (no heartbeat for
 /// `timeout`, or a local process that no longer exists) with a write conditional on the version
 /// that writer left, so that two savers cannot both take it. Returns the lease's version.
@@ -594,9 +580,8 @@ fn acquire(s: &dyn Storage, token: &str, timeout: Duration) -> Result<Version> {
             return Err(CoreError::Locked {
                 path: s.name(""),
                 reason: format!(
-                    "another save holds its lease ({}, heartbeat {}s ago); a lease without a \
+                    "another save holds its lease ({held}, heartbeat {}s ago); a lease without a \
                      heartbeat for {}s belongs to a dead writer and is taken over",
-                    printable(&held), // (anyone who can write there can write the lease)
                     age.as_secs(),
                     timeout.as_secs()
                 ),

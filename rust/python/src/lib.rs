@@ -20,7 +20,7 @@ use records::{
 
 /// Maps a core error onto the Python exception hierarchy in `olmo_chunks.errors`.
 fn to_pyerr(py: Python<'_>, e: CoreError) -> PyErr {
-    let msg = e.to_string();
+    let msg = core::error::shown(&e.to_string());
     let (class, os): (&str, Option<(i32, String)>) = match &e {
         CoreError::Io { path, source } => {
             let class = match source.kind() {

@@ -191,50 +191,23 @@ fn check_endpoint(builder: &object_store::aws::AmazonS3Builder) -> Result<()> {
                 .any(|c| c.is_whitespace() || c.is_control())
     });
     let Some(parsed) = parsed else {
-        return Err(CoreError::InvalidArgument(hide_passwords(&format!(
+        return Err(CoreError::InvalidArgument(format!(
             "{var}={endpoint:?} is not a valid URL (http://host:port or https://...)"
-        ))));
+        )));
     };
     let allowed = value(AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
         .unwrap_or_default()
         .to_ascii_lowercase();
     if parsed.scheme() == "http" && !matches!(allowed.as_str(), "1" | "true" | "on" | "yes" | "y") {
-        return Err(CoreError::InvalidArgument(hide_passwords(&format!(
+        return Err(CoreError::InvalidArgument(format!(
             "the S3 endpoint {endpoint:?} ({var}) is plain HTTP; set AWS_ALLOW_HTTP=true to use it ({})",
             match std::env::var("AWS_ALLOW_HTTP") {
                 Ok(v) => format!("AWS_ALLOW_HTTP is {v:?}"),
                 Err(_) => "AWS_ALLOW_HTTP is not set".into(),
             }
-        ))));
+        )));
     }
     Ok(())
-}
-
-/// `text` with the password of every URL in it (`scheme://user:password@host`) replaced by
-/// `***`, and a userinfo without one (a token as the user name) too.
-pub(crate) fn hide_passwords(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find("://") {
-        let (head, tail) = rest.split_at(at + 3);
-        out.push_str(head);
-        let end = tail
-            .find(|c: char| c == '/' || c == '"' || c.is_whitespace())
-            .unwrap_or(tail.len());
-        match tail[..end].rfind('@') {
-            Some(userinfo_end) => {
-                let userinfo = &tail[..userinfo_end];
-                match userinfo.split_once(':') {
-                    Some((user, _)) => out.push_str(&format!("{user}:***")),
-                    None => out.push_str("***"),
-                }
-                rest = &tail[userinfo_end..];
-            }
-            None => rest = tail,
-        }
-    }
-    out.push_str(rest);
-    out
 }
 
 thread_local! {
@@ -346,9 +319,7 @@ pub(super) fn bucket_for(scheme: &str, bucket: &str) -> Result<Arc<Bucket>> {
                 return Ok(b.clone());
             }
         }
-        let bad = |e: object_store::Error| {
-            CoreError::InvalidArgument(hide_passwords(&format!("{key}: {e}")))
-        };
+        let bad = |e: object_store::Error| CoreError::InvalidArgument(format!("{key}: {e}"));
         let budget = retry_budget()?;
         let b = if scheme == "gs" {
             let mut builder = object_store::gcp::GoogleCloudStorageBuilder::from_env()
@@ -404,17 +375,6 @@ pub fn bucket_counters(url: &str) -> Result<Arc<IoCounters>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn passwords_in_urls_are_hidden() {
-        let text = "GET http://user:s3cr@t@host:9/b/k failed; \"https://tok@h/x\" and s3://b/k, ftp://a:b@c";
-        assert_eq!(
-            hide_passwords(text),
-            "GET http://user:***@host:9/b/k failed; \"https://***@h/x\" and s3://b/k, ftp://a:***@c"
-        );
-        assert_eq!(hide_passwords("no url"), "no url");
-        assert_eq!(hide_passwords("x://"), "x://");
-    }
 
     #[test]
     fn breaker_bounds_the_requests_after_a_slow_failure_until_a_success() {

@@ -14,7 +14,7 @@ use object_store::{
 use tokio::runtime::Runtime;
 
 use super::client::{
-    bucket_for, forget, hide_passwords, no_panic, retry_budget, runtime, split_url, Breaker, Bucket,
+    bucket_for, forget, no_panic, retry_budget, runtime, split_url, Breaker, Bucket,
 };
 use super::transfer::{RemoteReader, RemoteWriter};
 use super::{MAX_PARTS, MERGE_GAP, PART_SIZE, REQUEST_BYTES};
@@ -59,21 +59,8 @@ fn is_missing_bucket(e: &object_store::Error) -> bool {
 }
 
 pub(super) fn to_io(e: object_store::Error) -> std::io::Error {
-    std::io::Error::new(io_kind(&e), Redacted(e))
+    std::io::Error::new(io_kind(&e), e)
 }
-
-/// An object-store error whose text hides the password of any URL in it (an endpoint given as
-/// `http://user:secret@host`): the request URLs in its messages carry the endpoint's.
-#[derive(Debug)]
-pub(super) struct Redacted(pub(super) object_store::Error);
-
-impl std::fmt::Display for Redacted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&hide_passwords(&self.0.to_string()))
-    }
-}
-
-impl std::error::Error for Redacted {}
 
 /// The errors of requests: which say the server failed (a transport error or a 5xx, once the
 /// retries ran out, as against an answer such as a 404 or a failed condition), and the error of
@@ -112,8 +99,10 @@ impl Unanswered for std::io::Error {
 
     fn server_failed(&self) -> bool {
         use std::io::ErrorKind as K;
-        let inner = self.get_ref().and_then(|e| e.downcast_ref::<Redacted>());
-        if let Some(Redacted(e)) = inner {
+        let inner = self
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<object_store::Error>());
+        if let Some(e) = inner {
             return e.server_failed(); // (`to_io`)
         }
         matches!(
